@@ -1,0 +1,3 @@
+from bulkgen.cli import main
+
+main()

@@ -1,0 +1,178 @@
+"""Frozen, validated settings shared by every layer: sampling parameters, engine limits, paths.
+
+A leaf module: it imports nothing from bulkgen but `errors`, and nothing heavy (no torch), so the
+store, the packer and the scheduler can all use it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from bulkgen.errors import ConfigError
+
+DTYPES = ("float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+ATTENTION_BACKENDS = ("auto", "kernel", "torch")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request is decoded. Temperature 0 (the default) means greedy."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k filter
+    min_p: float = 0.0  # 0: no min-p filter
+    repetition_penalty: float = 1.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False  # benchmarks: generate exactly max_new_tokens
+    seed: int | None = None
+    logprobs: int | None = None  # None: none kept; 0: the chosen token's; k: also the top k
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
+               f"max-new-tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        _check(_is_number(self.temperature) and self.temperature >= 0,
+               f"temperature must be >= 0 (0 means greedy), got {self.temperature!r}")
+        _check(_is_number(self.top_p) and 0 < self.top_p <= 1,
+               f"top-p must be in (0, 1], got {self.top_p!r}")
+        _check(isinstance(self.top_k, int) and self.top_k >= 0,
+               f"top-k must be an integer >= 0 (0 turns it off), got {self.top_k!r}")
+        _check(_is_number(self.min_p) and 0 <= self.min_p < 1,
+               f"min-p must be in [0, 1), got {self.min_p!r}")
+        _check(_is_number(self.repetition_penalty) and self.repetition_penalty > 0,
+               f"repetition-penalty must be > 0 (1 turns it off), got {self.repetition_penalty!r}")
+        _check(all(isinstance(s, str) and s for s in self.stop),
+               f"stop strings must be non-empty strings, got {list(self.stop)!r}")
+        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+               f"stop token ids must be integers >= 0, got {list(self.stop_token_ids)!r}")
+        _check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
+               f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+        _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+               f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+    def replace(self, **changes: Any) -> SamplingParams:
+        return SamplingParams(**{**asdict(self), **changes})
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["stop"] = list(self.stop)
+        out["stop_token_ids"] = list(self.stop_token_ids)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown sampling parameter(s) {unknown}; known: {sorted(known)}")
+        data = dict(data)
+        for key in ("stop", "stop_token_ids"):
+            if key in data:
+                value = data[key]
+                data[key] = (value,) if isinstance(value, str) else tuple(value or ())
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Limits of the engine. Sizes left as None are derived from the machine and the model."""
+
+    dtype: str = "float32"
+    device: str = "auto"
+    block_size: int = 16  # tokens per KV block
+    kv_cache_memory: int | None = None  # bytes for K and V of all layers
+    gpu_memory_utilization: float = 0.9  # share of GPU memory for weights + KV when kv_cache_memory is None
+    max_num_seqs: int = 128  # sequences running at once
+    max_num_batched_tokens: int = 1024  # tokens computed per step (the token budget)
+    max_model_len: int | None = None  # defaults to the model's context length
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"  # kernel: our C paged attention (CPU); torch: pure torch
+    num_threads: int | None = None  # torch intra-op threads on CPU
+
+    def __post_init__(self) -> None:
+        _check(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        _check(self.device in DEVICES or self.device.startswith("cuda:"),
+               f"device must be one of {', '.join(DEVICES)} or cuda:N, got {self.device!r}")
+        _check(isinstance(self.block_size, int) and self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
+               f"block size must be a power of two, got {self.block_size!r}")
+        _check(self.kv_cache_memory is None or (isinstance(self.kv_cache_memory, int) and self.kv_cache_memory > 0),
+               f"kv-cache-memory must be a positive size such as 2GiB, got {self.kv_cache_memory!r}")
+        _check(_is_number(self.gpu_memory_utilization) and 0 < self.gpu_memory_utilization <= 1,
+               f"gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        _check(isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1,
+               f"max-num-seqs must be >= 1, got {self.max_num_seqs!r}")
+        _check(isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens >= 1,
+               f"max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens!r}")
+        _check(self.max_model_len is None or (isinstance(self.max_model_len, int) and self.max_model_len >= 2),
+               f"max-model-len must be >= 2, got {self.max_model_len!r}")
+        _check(self.attention_backend in ATTENTION_BACKENDS,
+               f"attention backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
+        _check(self.num_threads is None or (isinstance(self.num_threads, int) and self.num_threads >= 1),
+               f"num-threads must be >= 1, got {self.num_threads!r}")
+
+
+@dataclass(frozen=True)
+class Paths:
+    """Where bulkgen keeps its database and its model cache (see README, 'Where data lives')."""
+
+    data_dir: Path = field(default_factory=lambda: _env_dir("BULKGEN_HOME", "XDG_DATA_HOME", ".local/share"))
+    cache_dir: Path = field(default_factory=lambda: _env_dir("BULKGEN_CACHE", "XDG_CACHE_HOME", ".cache"))
+
+    @property
+    def default_db_url(self) -> str:
+        return os.environ.get("BULKGEN_DB") or f"sqlite:///{self.data_dir / 'bulkgen.db'}"
+
+    @property
+    def models_dir(self) -> Path:
+        return self.cache_dir / "models"
+
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+               "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str | int) -> int:
+    """'4GiB' → 4294967296; '512MB' → 512000000; plain numbers are bytes."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else None
+    if not match or unit not in _SIZE_UNITS:
+        raise ConfigError(f"cannot read size {text!r}: write a number with a unit, such as 512MiB or 4GiB")
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+
+
+def format_size(num_bytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(num_bytes) < 1024 or unit == "GiB":
+            return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.1f} {unit}"
+        num_bytes /= 1024
+    raise AssertionError("unreachable")
+
+
+def _env_dir(own_var: str, xdg_var: str, home_default: str) -> Path:
+    if os.environ.get(own_var):
+        return Path(os.environ[own_var]).expanduser()
+    base = os.environ.get(xdg_var) or str(Path.home() / home_default)
+    return Path(base).expanduser() / "bulkgen"
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)

@@ -1,0 +1,41 @@
+"""Errors bulkgen raises on purpose. The CLI is the only place that maps them to exit codes."""
+
+
+class BulkgenError(Exception):
+    """Base of every error bulkgen raises on purpose; its message says what to fix."""
+
+    exit_code = 1
+
+
+class ConfigError(BulkgenError):
+    """A flag, job file or setting is invalid. Raised before anything is written."""
+
+    exit_code = 2
+
+
+class InputError(BulkgenError):
+    """An input file cannot be used (missing, not Parquet, wrong columns). Nothing is written."""
+
+    exit_code = 2
+
+
+class ModelError(BulkgenError):
+    """A model cannot be found, fetched, converted or loaded."""
+
+    exit_code = 2
+
+
+class StoreError(BulkgenError):
+    """The job store failed (database unreachable, schema too new, transaction failed)."""
+
+
+class NotFoundError(BulkgenError):
+    """A job or request that was asked for does not exist."""
+
+    exit_code = 2
+
+
+class PromptTooLongError(BulkgenError):
+    """A prompt does not fit the model's context together with its token budget."""
+
+    exit_code = 2

@@ -1,0 +1,117 @@
+"""A job spec: what `submit` flags and a job file (`jobs/*.toml`) both describe.
+
+A job file's keys are the flags' long names (`max_new_tokens` or `max-new-tokens`); flags given on
+the command line override the file. `input` is read relative to the job file.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from bulkgen.config import SamplingParams
+from bulkgen.errors import ConfigError
+from bulkgen.io.parquet_in import InputColumns
+from bulkgen.resolve import DEFAULT_MODEL
+
+SAMPLING_KEYS = {f.name for f in fields(SamplingParams)}
+DEFAULT_SEED = 0
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    input: Path
+    model: str = DEFAULT_MODEL
+    name: str | None = None
+    prompt_column: str | None = None  # default "prompt" unless messages_column is set
+    messages_column: str | None = None
+    id_column: str | None = None
+    max_new_tokens_column: str | None = None
+    system_prompt: str | None = None
+    chat: bool = False  # wrap a raw prompt as a user message and apply the chat template
+    n: int = 1  # samples per row
+    add_special_tokens: bool | None = None  # None: yes for raw text, no for chat-rendered text
+    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(seed=DEFAULT_SEED))
+
+    def __post_init__(self) -> None:
+        if self.prompt_column is not None and self.messages_column is not None:
+            raise ConfigError("give either --prompt-column or --messages-column, not both")
+        if self.prompt_column is None and self.messages_column is None:
+            object.__setattr__(self, "prompt_column", "prompt")
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ConfigError(f"n (samples per row) must be an integer >= 1, got {self.n!r}")
+        if self.n > 1 and self.sampling.is_greedy:
+            raise ConfigError(f"n={self.n} with temperature 0 would give {self.n} identical greedy samples: "
+                              "set --temperature above 0, or use --n 1")
+        if self.system_prompt is not None and self.messages_column is None and not self.chat:
+            raise ConfigError("--system-prompt needs chat rendering: add --chat (raw prompt as a user message) "
+                              "or use --messages-column")
+        if self.sampling.seed is None:
+            object.__setattr__(self, "sampling", self.sampling.replace(seed=DEFAULT_SEED))
+
+    @property
+    def uses_chat_template(self) -> bool:
+        return self.chat or self.messages_column is not None
+
+    @property
+    def columns(self) -> InputColumns:
+        return InputColumns(prompt=self.prompt_column, messages=self.messages_column, id=self.id_column,
+                            max_new_tokens=self.max_new_tokens_column)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["input"] = str(self.input)
+        out["sampling"] = self.sampling.to_dict()
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> JobSpec:
+        data = dict(data)
+        data["input"] = Path(data["input"])
+        data["sampling"] = SamplingParams.from_dict(data.get("sampling") or {})
+        return cls(**data)
+
+
+def build_spec(input_path: Path, options: dict[str, Any]) -> JobSpec:
+    """A spec from the submit argument (a Parquet file or a job file) and the flags the user gave.
+
+    `options` holds only the flags given on the command line (None for the others)."""
+    values: dict[str, Any] = {}
+    if input_path.suffix == ".toml":
+        values.update(read_job_file(input_path))
+    else:
+        values["input"] = input_path
+    values.update({k: v for k, v in options.items() if v is not None and v != ()})
+    if "input" not in values:
+        raise ConfigError(f"job file {input_path} does not name its input: add input = \"data.parquet\"")
+    sampling = {k: values.pop(k) for k in list(values) if k in SAMPLING_KEYS}
+    known = {f.name for f in fields(JobSpec)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"unknown job setting(s) {unknown}; known: {sorted(known - {'sampling'} | SAMPLING_KEYS)}")
+    try:
+        return JobSpec(**values, sampling=SamplingParams.from_dict(sampling))
+    except TypeError as exc:
+        raise ConfigError(f"invalid job setting: {exc}") from exc
+
+
+def read_job_file(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"job file {path} does not exist")
+    try:
+        raw = tomllib.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read job file {path}: {exc}") from exc
+    values: dict[str, Any] = {}
+    for key, value in raw.items():
+        if isinstance(value, dict) and key == "sampling":
+            values.update({k.replace("-", "_"): v for k, v in value.items()})
+        else:
+            values[key.replace("-", "_")] = value
+    if "input" in values:
+        values["input"] = (path.parent / str(values["input"])).resolve()
+    if isinstance(values.get("stop"), str):
+        values["stop"] = [values["stop"]]
+    return values

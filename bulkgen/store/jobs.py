@@ -1,0 +1,146 @@
+"""Job-level operations of the store: create, describe, list, cancel, retry."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import delete, func, insert, select, update
+from sqlalchemy.orm import Session
+
+from bulkgen.errors import ConfigError, NotFoundError
+from bulkgen.store.models import REQUEST_STATES, Job, JobStatus, Request, RequestState, Result, utcnow
+
+
+def create_job(session: Session, **values: Any) -> Job:
+    job = Job(status=JobStatus.SUBMITTING.value, **values)
+    session.add(job)
+    session.flush()
+    return job
+
+
+def insert_requests(session: Session, rows: list[dict[str, Any]]) -> None:
+    if rows:
+        session.execute(insert(Request), rows)
+
+
+def open_job(session: Session, job_id: int, num_requests: int) -> None:
+    """The last step of submit: the job becomes visible to workers."""
+    session.execute(update(Job).where(Job.id == job_id)
+                    .values(status=JobStatus.QUEUED.value, num_requests=num_requests))
+
+
+def delete_job(session: Session, job_id: int) -> None:
+    session.execute(delete(Result).where(Result.job_id == job_id))
+    session.execute(delete(Request).where(Request.job_id == job_id))
+    session.execute(delete(Job).where(Job.id == job_id))
+
+
+def get_job(session: Session, job_id: int) -> Job:
+    job = session.get(Job, job_id)
+    if job is None:
+        raise NotFoundError(f"no job {job_id}: `bulkgen list` shows the jobs there are")
+    return job
+
+
+def request_counts(session: Session, job_ids: list[int]) -> dict[int, dict[str, int]]:
+    counts = {job_id: dict.fromkeys(REQUEST_STATES, 0) for job_id in job_ids}
+    query = (select(Request.job_id, Request.state, func.count())
+             .where(Request.job_id.in_(job_ids)).group_by(Request.job_id, Request.state))
+    for job_id, state, count in session.execute(query):
+        counts[job_id][state] = count
+    return counts
+
+
+def token_totals(session: Session, job_ids: list[int]) -> dict[int, tuple[int, int]]:
+    """(prompt tokens, output tokens) of the committed results of each job."""
+    totals = dict.fromkeys(job_ids, (0, 0))
+    query = (select(Result.job_id, func.sum(Result.num_prompt_tokens), func.sum(Result.num_output_tokens))
+             .where(Result.job_id.in_(job_ids)).group_by(Result.job_id))
+    for job_id, prompt, output in session.execute(query):
+        totals[job_id] = (int(prompt or 0), int(output or 0))
+    return totals
+
+
+def describe_jobs(session: Session, jobs: list[Job]) -> list[dict[str, Any]]:
+    """What `status` and `list` show: counts by request state, tokens, throughput, ETA."""
+    ids = [job.id for job in jobs]
+    counts = request_counts(session, ids)
+    tokens = token_totals(session, ids)
+    return [_summary(job, counts[job.id], tokens[job.id]) for job in jobs]
+
+
+def list_jobs(session: Session, limit: int | None = None) -> list[Job]:
+    query = select(Job).order_by(Job.id.desc())
+    if limit:
+        query = query.limit(limit)
+    return list(session.scalars(query))
+
+
+def cancel_job(session: Session, job_id: int) -> int:
+    """Cancel what has not finished; committed results stay. Returns how many requests were cancelled.
+
+    Workers holding a cancelled request drop it: their commit only lands on requests still theirs."""
+    job = get_job(session, job_id)
+    if job.status in (JobStatus.COMPLETED.value, JobStatus.CANCELLED.value):
+        return 0
+    cancelled = session.execute(
+        update(Request)
+        .where(Request.job_id == job_id,
+               Request.state.in_([RequestState.PENDING.value, RequestState.RUNNING.value]))
+        .values(state=RequestState.CANCELLED.value, lease_owner=None, lease_expires_at=None, updated_at=utcnow())
+    ).rowcount
+    job.status = JobStatus.CANCELLED.value
+    job.finished_at = utcnow()
+    return cancelled
+
+
+def retry_job(session: Session, job_id: int) -> int:
+    """Put failed (and, for a cancelled job, cancelled) requests back in the queue, attempts reset."""
+    job = get_job(session, job_id)
+    if job.status == JobStatus.SUBMITTING.value:
+        raise ConfigError(f"job {job_id} is still being submitted: wait for submit to finish")
+    states = [RequestState.FAILED.value]
+    if job.status == JobStatus.CANCELLED.value:
+        states.append(RequestState.CANCELLED.value)
+    requeued = session.execute(
+        update(Request)
+        .where(Request.job_id == job_id, Request.state.in_(states), Request.prompt_token_ids.is_not(None))
+        .values(state=RequestState.PENDING.value, attempts=0, error=None, lease_owner=None,
+                lease_expires_at=None, updated_at=utcnow())
+    ).rowcount
+    if requeued:
+        job.status = JobStatus.QUEUED.value
+        job.finished_at = None
+    return requeued
+
+
+def _summary(job: Job, counts: dict[str, int], tokens: tuple[int, int]) -> dict[str, Any]:
+    total = sum(counts.values())
+    done = counts[RequestState.COMPLETED.value] + counts[RequestState.FAILED.value]
+    end = job.finished_at or utcnow()
+    elapsed = (end - job.started_at).total_seconds() if job.started_at else None
+    output_rate = tokens[1] / elapsed if elapsed and elapsed > 0 else None
+    remaining = counts[RequestState.PENDING.value] + counts[RequestState.RUNNING.value]
+    eta = elapsed / done * remaining if elapsed and done and remaining and job.status == "running" else None
+    return {
+        "id": job.id,
+        "name": job.name,
+        "status": job.status,
+        "model": job.model,
+        "input": job.input_path,
+        "counts": counts,
+        "total": total,
+        "num_prompt_tokens": tokens[0],
+        "num_output_tokens": tokens[1],
+        "output_tok_per_s": round(output_rate, 2) if output_rate is not None else None,
+        "elapsed_s": round(elapsed, 1) if elapsed is not None else None,
+        "eta_s": round(eta, 1) if eta is not None else None,
+        "created_at": _iso(job.created_at),
+        "started_at": _iso(job.started_at),
+        "finished_at": _iso(job.finished_at),
+    }
+
+
+def _iso(moment: datetime | None) -> str | None:
+    return moment.isoformat(timespec="seconds") + "Z" if moment else None

@@ -1,0 +1,147 @@
+"""The job store's tables: jobs, requests (one per input row × sample), results, workers.
+
+The schema exists only through the Alembic migrations in `migrations/`; a test checks that those
+migrations and these models agree.
+"""
+
+from __future__ import annotations
+
+import enum
+from array import array
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class JobStatus(enum.StrEnum):
+    SUBMITTING = "submitting"  # requests still being written; workers leave it alone
+    QUEUED = "queued"
+    RUNNING = "running"
+    # Anything after RUNNING is final until `retry`.
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+class RequestState(enum.StrEnum):
+    PENDING = "pending"
+    RUNNING = "running"  # leased by a worker
+    # Anything after RUNNING is final until `retry`.
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+REQUEST_STATES = tuple(s.value for s in RequestState)
+
+
+def utcnow() -> datetime:
+    """Naive UTC, the same on SQLite (which drops time zones) and PostgreSQL."""
+    return datetime.now(UTC).replace(tzinfo=None)
+
+
+def pack_ids(token_ids: list[int] | tuple[int, ...]) -> bytes:
+    """Token ids as little-endian int32 bytes: a quarter of the size of JSON, and fast."""
+    return array("i", token_ids).tobytes()
+
+
+def unpack_ids(blob: bytes | None) -> list[int]:
+    out = array("i")
+    if blob:
+        out.frombytes(blob)
+    return out.tolist()
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str | None] = mapped_column(String(200))
+    status: Mapped[str] = mapped_column(String(16), default=JobStatus.QUEUED.value, index=True)
+    model: Mapped[str] = mapped_column(String(1000))  # as the user named it (alias or path)
+    model_path: Mapped[str] = mapped_column(String(1000))  # the resolved Hugging Face directory
+    input_path: Mapped[str] = mapped_column(String(4000))  # absolute path of the Parquet file
+    input_fingerprint: Mapped[str] = mapped_column(String(200))  # size and mtime, checked by export
+    input_columns: Mapped[list[str]] = mapped_column(JSON)
+    spec: Mapped[dict[str, Any]] = mapped_column(JSON)  # the whole job spec, sampling included
+    num_requests: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(DateTime)
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime)
+
+
+class Request(Base):
+    __tablename__ = "requests"
+    __table_args__ = (
+        UniqueConstraint("job_id", "row", "sample", name="uq_requests_job_row_sample"),
+        Index("ix_requests_job_state", "job_id", "state"),
+        Index("ix_requests_lease", "state", "lease_expires_at"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    row: Mapped[int] = mapped_column(Integer)  # index of the input row, from 0
+    sample: Mapped[int] = mapped_column(Integer, default=0)  # 0..n-1
+    custom_id: Mapped[str | None] = mapped_column(String(1000))
+    prompt: Mapped[str | None] = mapped_column(Text)  # rendered text, as tokenized
+    prompt_token_ids: Mapped[bytes | None] = mapped_column(LargeBinary)  # see pack_ids
+    num_prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    max_new_tokens: Mapped[int] = mapped_column(Integer)  # the rest of sampling is the job's
+    seed: Mapped[int] = mapped_column(BigInteger)
+    state: Mapped[str] = mapped_column(String(16), default=RequestState.PENDING.value)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    error: Mapped[str | None] = mapped_column(Text)
+    lease_owner: Mapped[str | None] = mapped_column(String(200))
+    lease_expires_at: Mapped[datetime | None] = mapped_column(DateTime)
+    updated_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+
+
+class Result(Base):
+    __tablename__ = "results"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    # Unique: a request is done exactly once, whatever a crashed worker did.
+    request_id: Mapped[int] = mapped_column(ForeignKey("requests.id", ondelete="CASCADE"), unique=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    text: Mapped[str] = mapped_column(Text)
+    token_ids: Mapped[bytes] = mapped_column(LargeBinary)
+    finish_reason: Mapped[str] = mapped_column(String(16))  # stop | length | eos
+    num_prompt_tokens: Mapped[int] = mapped_column(Integer)
+    num_output_tokens: Mapped[int] = mapped_column(Integer)
+    num_cached_tokens: Mapped[int] = mapped_column(Integer, default=0)  # prompt tokens reused from the prefix cache
+    logprobs: Mapped[list[Any] | None] = mapped_column(JSON)
+    worker_id: Mapped[str | None] = mapped_column(String(200))
+    time_to_first_token_s: Mapped[float | None] = mapped_column(Float)
+    latency_s: Mapped[float | None] = mapped_column(Float)
+    finished_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+
+
+class Worker(Base):
+    __tablename__ = "workers"
+
+    id: Mapped[str] = mapped_column(String(200), primary_key=True)  # host:pid:random
+    hostname: Mapped[str] = mapped_column(String(200))
+    pid: Mapped[int] = mapped_column(Integer)
+    status: Mapped[str] = mapped_column(String(16), default="running")  # running | stopped
+    started_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+    heartbeat_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+    num_completed: Mapped[int] = mapped_column(Integer, default=0)
+    num_output_tokens: Mapped[int] = mapped_column(Integer, default=0)

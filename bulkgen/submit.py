@@ -1,0 +1,185 @@
+"""Submit: a Parquet file becomes a job of requests, each rendered, tokenized once and seeded.
+
+Everything that can be checked before writing (the file, its columns, the flags, the model) is checked
+first, so a refused submit leaves no job behind. A bad row becomes a failed request with its reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+
+from bulkgen.config import Paths
+from bulkgen.errors import ConfigError
+from bulkgen.io.parquet_in import InputFile
+from bulkgen.jobspec import JobSpec
+from bulkgen.resolve import load_tokenizer, model_context_length, resolve_model
+from bulkgen.store import Store
+from bulkgen.store import jobs as job_ops
+from bulkgen.store.models import RequestState, pack_ids, utcnow
+
+ROWS_PER_TRANSACTION = 16_384
+
+
+@dataclass(frozen=True)
+class SubmitReport:
+    job_id: int
+    num_rows: int
+    num_requests: int
+    num_failed: int  # requests refused at submit (bad rows), with their reasons stored
+    num_prompt_tokens: int
+    seconds: float
+    model_path: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"job_id": self.job_id, "num_rows": self.num_rows, "num_requests": self.num_requests,
+                "num_failed": self.num_failed, "num_prompt_tokens": self.num_prompt_tokens,
+                "seconds": round(self.seconds, 3), "model_path": self.model_path}
+
+
+def request_seed(job_seed: int, row: int, sample: int) -> int:
+    """Each request's own seed: its sampled output never depends on what it was batched with."""
+    digest = hashlib.blake2b(f"{job_seed}:{row}:{sample}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1  # fits a signed 64-bit column
+
+
+def submit_job(store: Store, spec: JobSpec, paths: Paths | None = None,
+               log: Callable[[str], None] | None = None,
+               on_rows: Callable[[int], None] | None = None) -> SubmitReport:
+    start = time.perf_counter()
+    source = InputFile(spec.input, spec.columns)
+    model = resolve_model(spec.model, paths, log)
+    renderer = PromptRenderer(spec, model.path)
+
+    with store.session_scope(write=True) as session:
+        job_id = job_ops.create_job(
+            session, name=spec.name, model=spec.model, model_path=str(model.path), input_path=str(source.path),
+            input_fingerprint=source.fingerprint, input_columns=source.column_names, spec=spec.to_dict(),
+        ).id
+    num_rows = num_requests = num_failed = num_prompt_tokens = 0
+    try:
+        pending: list[dict[str, Any]] = []
+        for batch in source.batches():
+            rows = renderer.requests(job_id, batch, first_row=num_rows)
+            num_rows += batch.num_rows
+            num_requests += len(rows)
+            num_failed += sum(r["state"] == RequestState.FAILED.value for r in rows)
+            num_prompt_tokens += sum(r["num_prompt_tokens"] for r in rows)
+            pending.extend(rows)
+            if len(pending) >= ROWS_PER_TRANSACTION:
+                with store.session_scope(write=True) as session:
+                    job_ops.insert_requests(session, pending)
+                pending = []
+            if on_rows:
+                on_rows(batch.num_rows)
+        with store.session_scope(write=True) as session:
+            job_ops.insert_requests(session, pending)
+            job_ops.open_job(session, job_id, num_requests)
+    except BaseException:
+        with store.session_scope(write=True) as session:
+            job_ops.delete_job(session, job_id)
+        raise
+    return SubmitReport(job_id, num_rows, num_requests, num_failed, num_prompt_tokens,
+                        time.perf_counter() - start, str(model.path))
+
+
+class PromptRenderer:
+    """Turns input rows into request rows: text rendered, tokenized in one batched call, checked."""
+
+    def __init__(self, spec: JobSpec, model_dir) -> None:
+        self.spec = spec
+        self.tokenizer = load_tokenizer(model_dir)
+        self.context_length = model_context_length(model_dir)
+        sampling = spec.sampling
+        if spec.uses_chat_template and not getattr(self.tokenizer, "chat_template", None):
+            raise ConfigError(f"model {spec.model} has no chat template: use raw prompts (--prompt-column "
+                              "without --chat)")
+        if sampling.max_new_tokens >= self.context_length:
+            raise ConfigError(f"max-new-tokens {sampling.max_new_tokens} leaves no room for a prompt in the "
+                              f"model's context of {self.context_length} tokens: lower it")
+        vocab = len(self.tokenizer)
+        bad = [t for t in sampling.stop_token_ids if t >= vocab]
+        if bad:
+            raise ConfigError(f"stop token ids {bad} are outside the vocabulary (size {vocab})")
+        self.add_special_tokens = (spec.add_special_tokens if spec.add_special_tokens is not None
+                                   else not spec.uses_chat_template)
+
+    def requests(self, job_id: int, batch: pa.RecordBatch, first_row: int) -> list[dict[str, Any]]:
+        spec = self.spec
+        columns = {name: batch.column(name).to_pylist() for name in spec.columns.needed}
+        texts: list[str | None] = []
+        errors: list[str | None] = []
+        for i in range(batch.num_rows):
+            text, error = self._render(columns, i)
+            texts.append(text)
+            errors.append(error)
+        valid = [i for i, t in enumerate(texts) if t is not None]
+        encoded = self.tokenizer([texts[i] for i in valid], add_special_tokens=self.add_special_tokens)["input_ids"]
+        token_ids: list[list[int] | None] = [None] * batch.num_rows
+        for i, ids in zip(valid, encoded, strict=True):
+            token_ids[i] = ids
+        ids_column = columns.get(spec.id_column) if spec.id_column else None
+        budgets = columns.get(spec.max_new_tokens_column) if spec.max_new_tokens_column else None
+        now = utcnow()
+        out = []
+        for i in range(batch.num_rows):
+            row = first_row + i
+            ids = token_ids[i]
+            max_new = spec.sampling.max_new_tokens if budgets is None or budgets[i] is None else budgets[i]
+            error = errors[i] or self._check(ids, max_new)
+            for sample in range(spec.n):
+                out.append({
+                    "job_id": job_id, "row": row, "sample": sample,
+                    "custom_id": None if ids_column is None or ids_column[i] is None else str(ids_column[i]),
+                    "prompt": texts[i],
+                    "prompt_token_ids": pack_ids(ids) if error is None else None,
+                    "num_prompt_tokens": len(ids) if ids is not None else 0,
+                    "max_new_tokens": max(int(max_new), 1),
+                    "seed": request_seed(spec.sampling.seed or 0, row, sample),
+                    "state": RequestState.FAILED.value if error else RequestState.PENDING.value,
+                    "attempts": 0, "error": error, "updated_at": now,
+                })
+        return out
+
+    def _render(self, columns: dict[str, list[Any]], i: int) -> tuple[str | None, str | None]:
+        spec = self.spec
+        if spec.messages_column is not None:
+            messages = columns[spec.messages_column][i]
+            if not messages:
+                return None, "messages are null or empty"
+            if any(not isinstance(m, dict) or not m.get("role") or m.get("content") is None for m in messages):
+                return None, "every message needs a role and a content"
+            messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+        else:
+            prompt = columns[spec.prompt_column][i]
+            if prompt is None:
+                return None, "prompt is null"
+            if not prompt.strip():
+                return None, "prompt is empty"
+            if not spec.chat:
+                return prompt, None
+            messages = [{"role": "user", "content": prompt}]
+        if spec.system_prompt is not None and messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": spec.system_prompt}, *messages]
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # a template may raise anything on messages it rejects
+            return None, f"chat template failed: {exc}"
+        return text, None
+
+    def _check(self, ids: list[int] | None, max_new_tokens: int) -> str | None:
+        if ids is None:
+            return None
+        if not ids:
+            return "prompt has no tokens"
+        if max_new_tokens < 1:
+            return f"max_new_tokens is {max_new_tokens}: it must be >= 1"
+        if len(ids) + max_new_tokens > self.context_length:
+            return (f"prompt has {len(ids)} tokens: with max_new_tokens {max_new_tokens} it exceeds the model's "
+                    f"context of {self.context_length} tokens; shorten the prompt or lower max_new_tokens")
+        return None
