@@ -1,0 +1,122 @@
+"""Paged attention plugged into Hugging Face models through transformers' attention-function interface.
+
+The runner flattens every scheduled token of every sequence into one ragged batch (batch size 1,
+no padding). The model computes q, k, v and RoPE as usual, then calls `paged_attention_forward`
+per layer, which writes the new K/V into the paged cache and attends:
+- decode tokens (one new token per sequence, placed first in the batch) in one batched call over
+  K/V read in place from their blocks: our C kernel on CPU, a gather + SDPA in torch elsewhere;
+- prefill chunks one sequence at a time with SDPA: causal over the chunk itself, or, when earlier
+  tokens are already cached (chunked prefill, prefix cache, recompute), over K/V gathered from blocks.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+ATTENTION_NAME = "bulkgen_paged"
+
+
+@dataclass
+class PrefillChunk:
+    offset: int  # first token of the chunk in the flattened batch
+    num_tokens: int
+    start: int  # position of its first token in the sequence (0 unless part is cached)
+    context_blocks: torch.Tensor | None = None  # [start + num_tokens] block of each position, when start > 0
+    context_offsets: torch.Tensor | None = None  # [start + num_tokens] row within the block
+    mask: torch.Tensor | None = None  # [num_tokens, start + num_tokens] bool, when start > 0
+
+
+@dataclass
+class AttentionMetadata:
+    """What every layer's attention needs for one step (built once per step by the runner)."""
+
+    k_caches: list[torch.Tensor]  # per layer: [num_blocks, num_kv_heads, block_size, head_dim]
+    v_caches: list[torch.Tensor]
+    slot_blocks: torch.Tensor  # [num_tokens] int64: the block of each new token's K/V
+    slot_offsets: torch.Tensor  # [num_tokens] int64: its row within the block
+    num_decode_tokens: int  # the first tokens of the batch, one per decoding sequence
+    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] (int32 for the kernel)
+    decode_context_lens: torch.Tensor  # [num_decodes] int32, tokens to attend to (the new one included)
+    decode_max_context_len: int
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    kernel: ctypes.CDLL | None = None
+    num_threads: int = 1
+
+
+def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                            value: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float | None = None,
+                            dropout: float = 0.0, **kwargs) -> tuple[torch.Tensor, None]:
+    meta: AttentionMetadata = kwargs["bulkgen_attention"]
+    layer = module.layer_idx
+    k_cache, v_cache = meta.k_caches[layer], meta.v_caches[layer]
+    _, num_heads, num_tokens, head_dim = query.shape  # [1, num_heads, num_tokens, head_dim]
+    # key, value: [1, num_kv_heads, num_tokens, head_dim]
+    scale = scaling if scaling is not None else head_dim**-0.5
+
+    # Head-major blocks: cache[block, :, row] is one token's [num_kv_heads, head_dim].
+    k_cache[meta.slot_blocks, :, meta.slot_offsets] = key[0].transpose(0, 1)
+    v_cache[meta.slot_blocks, :, meta.slot_offsets] = value[0].transpose(0, 1)
+
+    out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype, device=query.device)
+    num_decodes = meta.num_decode_tokens
+    if num_decodes:
+        q = query[0, :, :num_decodes].transpose(0, 1)  # [num_decodes, num_heads, head_dim]
+        if meta.kernel is not None:
+            out[:num_decodes] = _decode_kernel(meta, q, k_cache, v_cache, scale)
+        else:
+            out[:num_decodes] = decode_torch(q, k_cache, v_cache, meta.decode_block_tables,
+                                             meta.decode_context_lens, scale)
+    for chunk in meta.prefills:
+        span = slice(chunk.offset, chunk.offset + chunk.num_tokens)
+        q = query[0, :, span]  # [num_heads, n, head_dim]
+        if chunk.context_blocks is None:
+            o = F.scaled_dot_product_attention(q, key[0, :, span], value[0, :, span], is_causal=True,
+                                               scale=scale, enable_gqa=True)
+        else:
+            k = k_cache[chunk.context_blocks, :, chunk.context_offsets].transpose(0, 1)  # [kv_heads, ctx, d]
+            v = v_cache[chunk.context_blocks, :, chunk.context_offsets].transpose(0, 1)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=chunk.mask, scale=scale, enable_gqa=True)
+        out[span] = o.transpose(0, 1)
+    return out.unsqueeze(0), None  # [1, num_tokens, num_heads, head_dim]
+
+
+def decode_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                 context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Reference decode attention in plain torch: gathers each sequence's blocks, then one masked SDPA."""
+    num_seqs, max_blocks = block_tables.shape
+    _, num_kv_heads, block_size, head_dim = k_cache.shape
+    index = block_tables.long()
+    # [seqs, blocks, kv_heads, block_size, d] -> [seqs, kv_heads, blocks * block_size, d]
+    k = k_cache[index].transpose(1, 2).reshape(num_seqs, num_kv_heads, max_blocks * block_size, head_dim)
+    v = v_cache[index].transpose(1, 2).reshape(num_seqs, num_kv_heads, max_blocks * block_size, head_dim)
+    positions = torch.arange(max_blocks * block_size, device=q.device)
+    mask = (positions[None, :] < context_lens[:, None].to(q.device))[:, None, None, :]  # [seqs, 1, 1, ctx]
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return o[:, :, 0]  # [num_seqs, num_heads, head_dim]
+
+
+def _decode_kernel(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+    q32 = q.to(torch.float32).contiguous()
+    out = torch.empty_like(q32)
+    num_seqs, num_heads, head_dim = q32.shape
+    _, num_kv_heads, block_size, _ = k_cache.shape
+    function = meta.kernel.paged_decode_f32 if k_cache.dtype == torch.float32 else meta.kernel.paged_decode_bf16
+    tables = meta.decode_block_tables
+    failed = function(q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
+                      meta.decode_context_lens.data_ptr(), out.data_ptr(), num_seqs, num_heads, num_kv_heads,
+                      head_dim, block_size, meta.decode_max_context_len, scale, meta.num_threads)
+    if failed:
+        raise MemoryError("paged attention kernel could not allocate its scratch buffer")
+    return out.to(q.dtype)
+
+
+def register() -> None:
+    """Make `attn_implementation="bulkgen_paged"` known to transformers (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)

@@ -1,0 +1,214 @@
+"""The engine: requests in, finished outputs out. A step reads as three calls:
+schedule → run the model → post-process (sample, append, stop, free)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bulkgen.config import EngineConfig, SamplingParams
+from bulkgen.engine import sampler
+from bulkgen.engine.block_manager import BlockManager
+from bulkgen.engine.detokenizer import IncrementalDetokenizer
+from bulkgen.engine.runner import ModelRunner
+from bulkgen.engine.scheduler import Scheduler, SchedulerOutput
+from bulkgen.engine.sequence import Sequence, SequenceStatus
+from bulkgen.errors import ConfigError, PromptTooLongError
+
+
+@dataclass
+class RequestOutput:
+    request_id: Any
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    text: str
+    finish_reason: str  # stop | eos | length | abort | error
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    logprobs: list[Any] | None = None
+    error: str | None = None
+    time_to_first_token_s: float | None = None
+    latency_s: float | None = None
+
+
+@dataclass
+class StepRecord:
+    """One step, for the bench's plots and the worker's report."""
+
+    time: float
+    num_batched_tokens: int
+    num_decode_tokens: int
+    num_seqs: int
+    kv_usage: float  # share of KV blocks held after scheduling
+    num_preempted: int
+
+
+@dataclass
+class EngineStats:
+    num_steps: int = 0
+    num_preemptions: int = 0
+    num_prompt_tokens_computed: int = 0  # recomputation included
+    num_output_tokens: int = 0
+    steps: list[StepRecord] = field(default_factory=list)
+    keep_steps: bool = False
+
+
+class Engine:
+    def __init__(self, model: str | Path | torch.nn.Module, config: EngineConfig | None = None,
+                 tokenizer: Any = None) -> None:
+        from transformers import AutoTokenizer
+
+        self.config = config or EngineConfig()
+        self.runner = ModelRunner(model, self.config)
+        hf_config = self.runner.model.config
+        self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(model if not isinstance(model, torch.nn.Module)
+                                                                    else hf_config._name_or_path)
+        context = getattr(hf_config, "max_position_embeddings", None) or 2048
+        self.max_model_len = min(self.config.max_model_len or context, context)
+        self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
+                                          self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        self.eos_token_ids = _eos_ids(self.runner.model, self.tokenizer)
+        self.stats = EngineStats()
+        self._seqs: dict[Any, Sequence] = {}
+
+    def add(self, request_id: Any, prompt_token_ids: list[int], params: SamplingParams | None = None) -> None:
+        """Queue a request. Raises PromptTooLongError if it cannot fit the model or the KV cache."""
+        params = params or SamplingParams()
+        if request_id in self._seqs:
+            raise ConfigError(f"request id {request_id!r} is already in the engine")
+        num_prompt = len(prompt_token_ids)
+        if num_prompt == 0:
+            raise PromptTooLongError("the prompt is empty: give at least one token")
+        if num_prompt >= self.max_model_len:
+            raise PromptTooLongError(f"the prompt has {num_prompt} tokens; the model's context is "
+                                     f"{self.max_model_len} tokens, which must also hold the output")
+        needed = min(num_prompt + params.max_new_tokens, self.max_model_len)
+        if self.block_manager.blocks_for(needed) > self.block_manager.num_blocks:
+            raise PromptTooLongError(f"the request needs up to {needed} tokens of KV cache; the cache holds "
+                                     f"{self.runner.max_num_tokens}: raise --kv-cache-memory")
+        seq = Sequence(request_id, list(prompt_token_ids), params)
+        if not params.is_greedy:
+            seq.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed or 0)
+        if params.stop:
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.stop)
+        self._seqs[request_id] = seq
+        self.scheduler.add(seq)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._seqs)
+
+    def abort(self, request_id: Any) -> RequestOutput | None:
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return None
+        self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+        return self._finish_output(seq)
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step; returns the requests that finished in it."""
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty:
+            return []
+        logits, sampled_seqs = self.runner.execute(scheduled.scheduled)
+        return self._postprocess(scheduled, logits, sampled_seqs)
+
+    def generate(self, prompts: Iterable[list[int] | str], params: SamplingParams | list[SamplingParams] | None = None,
+                 ) -> Iterator[RequestOutput]:
+        """Run prompts (token ids or text) to completion; yields outputs in completion order, with
+        `request_id` the prompt's index."""
+        prompts = list(prompts)
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        for i, (prompt, p) in enumerate(zip(prompts, params_list, strict=True)):
+            ids = prompt if not isinstance(prompt, str) else self.tokenizer(prompt)["input_ids"]
+            self.add(i, ids, p)
+        while self.has_unfinished():
+            yield from self.step()
+
+    def _postprocess(self, scheduled: SchedulerOutput, logits: torch.Tensor,
+                     sampled_seqs: list[Sequence]) -> list[RequestOutput]:
+        now = time.monotonic()
+        num_decodes = 0
+        for s in scheduled.scheduled:
+            s.seq.num_computed_tokens += s.num_new_tokens
+            self.block_manager.cache_full_blocks(s.seq)
+            num_decodes += s.num_new_tokens == 1
+            if s.seq.num_output_tokens == 0 or s.num_new_tokens > 1:
+                self.stats.num_prompt_tokens_computed += s.num_new_tokens
+        result = sampler.sample(logits, sampled_seqs, self.eos_token_ids)
+        finished = []
+        for i, seq in enumerate(sampled_seqs):
+            if not result.finite[i]:
+                seq.error = "the model produced non-finite logits (NaN or inf) for this request"
+                status = SequenceStatus.FINISHED_ERROR
+            else:
+                status = self._append(seq, result.token_ids[i], result.logprobs[i])
+            if status is not None:
+                seq.finish_time = now
+                self.scheduler.finish(seq, status)
+                finished.append(self._finish_output(seq))
+        self.stats.num_steps += 1
+        self.stats.num_preemptions = self.scheduler.num_preemptions
+        if self.stats.keep_steps:
+            self.stats.steps.append(StepRecord(now, scheduled.num_batched_tokens, num_decodes,
+                                               len(scheduled.scheduled), self.block_manager.usage,
+                                               len(scheduled.preempted)))
+        return finished
+
+    def _append(self, seq: Sequence, token: int, logprob: Any) -> SequenceStatus | None:
+        """Add a sampled token; return the finish status if the sequence is done."""
+        seq.append_token(token)
+        self.stats.num_output_tokens += 1
+        if seq.logprobs is not None:
+            seq.logprobs.append(logprob)
+        params = seq.params
+        if token in params.stop_token_ids:
+            return SequenceStatus.FINISHED_STOPPED
+        if token in self.eos_token_ids and not params.ignore_eos:
+            return SequenceStatus.FINISHED_EOS
+        if seq.detokenizer is not None and seq.detokenizer.push(token) is not None:
+            return SequenceStatus.FINISHED_STOPPED
+        if seq.num_output_tokens >= params.max_new_tokens or seq.num_tokens >= self.max_model_len:
+            return SequenceStatus.FINISHED_LENGTH
+        return None
+
+    def _finish_output(self, seq: Sequence) -> RequestOutput:
+        del self._seqs[seq.request_id]
+        detok = seq.detokenizer
+        stop_at = None
+        if detok is not None and seq.status == SequenceStatus.FINISHED_STOPPED:
+            found = [i for i in (detok.text.find(s) for s in seq.params.stop) if i >= 0]
+            stop_at = min(found) if found else None
+        if stop_at is not None:
+            text = detok.text[:stop_at]
+        else:
+            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        end = seq.finish_time or time.monotonic()
+        return RequestOutput(
+            request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids, output_token_ids=seq.output_token_ids,
+            text=text, finish_reason=seq.finish_reason or "abort", num_cached_tokens=seq.num_cached_tokens,
+            num_preemptions=seq.num_preemptions, logprobs=seq.logprobs, error=seq.error,
+            time_to_first_token_s=(seq.first_token_time - seq.arrival_time) if seq.first_token_time else None,
+            latency_s=end - seq.arrival_time,
+        )
+
+
+def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> frozenset[int]:
+    """The ids that end generation, as Hugging Face generate() takes them: the generation config's first."""
+    generation = getattr(model, "generation_config", None)
+    for source in (getattr(generation, "eos_token_id", None), getattr(model.config, "eos_token_id", None),
+                   getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(source, int):
+            return frozenset([source])
+        if isinstance(source, (list, tuple)) and source:
+            return frozenset(int(i) for i in source)
+    return frozenset()

@@ -1,0 +1,194 @@
+"""The model runner owns torch: it loads the model, holds the KV cache, and runs one step.
+
+A step's scheduled tokens are flattened into one ragged batch (decodes first, then prefill chunks),
+so the linear layers see no padding, and only the positions that need sampling reach the LM head.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import psutil
+import torch
+
+from bulkgen.config import EngineConfig, format_size
+from bulkgen.engine import attention
+from bulkgen.engine.kernels import load_paged_attention
+from bulkgen.engine.scheduler import ScheduledSeq
+from bulkgen.engine.sequence import Sequence
+from bulkgen.errors import ConfigError, ModelError
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CPU_DEFAULT_KV_BYTES = 4 * 2**30
+MIN_KV_BLOCKS = 4
+
+
+class ModelRunner:
+    def __init__(self, model: str | Path | torch.nn.Module, config: EngineConfig) -> None:
+        self.config = config
+        self.device = _device(config.device)
+        self.dtype = DTYPES[config.dtype]
+        if config.num_threads and self.device.type == "cpu":
+            torch.set_num_threads(config.num_threads)
+        self.model = _load(model, self.dtype, self.device)
+        hf = self.model.config
+        self.num_layers = hf.num_hidden_layers
+        self.num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+        self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        self.block_size = config.block_size
+        element = torch.empty((), dtype=self.dtype).element_size()
+        self.kv_bytes_per_token = 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
+        budget = self._kv_budget()
+        self.num_blocks = budget // (self.kv_bytes_per_token * self.block_size)
+        if self.num_blocks < MIN_KV_BLOCKS:
+            raise ConfigError(f"a KV cache of {format_size(budget)} holds {self.num_blocks} blocks of "
+                              f"{self.block_size} tokens ({self.kv_bytes_per_token} bytes a token): too small to run "
+                              f"anything; give at least {MIN_KV_BLOCKS * self.block_size * self.kv_bytes_per_token} "
+                              "bytes with --kv-cache-memory")
+        # One allocation, never grown: [K|V, layer, block, kv_head, row, head_dim]. Head-major blocks keep
+        # one head's rows of a block contiguous, which is how decode attention reads them.
+        self.kv_cache = torch.zeros(2, self.num_layers, self.num_blocks, self.num_kv_heads, self.block_size,
+                                    self.head_dim, dtype=self.dtype, device=self.device)
+        self.kv_cache_bytes = self.kv_cache.numel() * element
+        self._k_caches = list(self.kv_cache[0])
+        self._v_caches = list(self.kv_cache[1])
+        use_kernel = self.device.type == "cpu" and config.attention_backend != "torch" \
+            and self.dtype in (torch.float32, torch.bfloat16)
+        self.kernel = load_paged_attention() if use_kernel else None
+        if config.attention_backend == "kernel" and self.kernel is None:
+            raise ConfigError("attention backend 'kernel' needs a CPU, float32 or bfloat16, and a C compiler (gcc)")
+
+    @property
+    def max_num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, list[Sequence]]:
+        """Run one step. Returns float32 logits [num_sampled, vocab] and the sequences they belong to:
+        those whose computed tokens reach their known tokens this step."""
+        decodes = [s for s in scheduled if s.num_new_tokens == 1]
+        prefills = [s for s in scheduled if s.num_new_tokens > 1]
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int] = []
+        sampled: list[Sequence] = []
+        for s in decodes:
+            seq = s.seq
+            pos = seq.num_computed_tokens
+            input_ids.append(seq.token_ids[pos])
+            positions.append(pos)
+            slots.append(seq.block_table[pos // bs] * bs + pos % bs)
+        chunks: list[attention.PrefillChunk] = []
+        for s in prefills:
+            seq, start, n = s.seq, s.seq.num_computed_tokens, s.num_new_tokens
+            chunk = attention.PrefillChunk(offset=len(input_ids), num_tokens=n, start=start)
+            input_ids.extend(seq.token_ids[start:start + n])
+            positions.extend(range(start, start + n))
+            context_slots = _slots(seq.block_table, bs, 0, start + n)  # the chunk's and its context's
+            slots.extend(context_slots[start:].tolist())
+            if start:
+                chunk.context_blocks = torch.from_numpy(context_slots // bs).to(self.device)
+                chunk.context_offsets = torch.from_numpy(context_slots % bs).to(self.device)
+                q_pos = torch.arange(start, start + n, device=self.device)
+                chunk.mask = q_pos[:, None] >= torch.arange(start + n, device=self.device)[None, :]
+            chunks.append(chunk)
+        offset = 0
+        for s in decodes + prefills:
+            offset += s.num_new_tokens
+            if s.seq.num_computed_tokens + s.num_new_tokens == s.seq.num_tokens:
+                sample_rows.append(offset - 1)
+                sampled.append(s.seq)
+        meta = self._metadata(decodes, slots, chunks)
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)[None]
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)[None]
+        keep = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+        output = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep,
+                            bulkgen_attention=meta)
+        return output.logits[0].float(), sampled
+
+    def _metadata(self, decodes: list[ScheduledSeq], slots: list[int],
+                  chunks: list[attention.PrefillChunk]) -> attention.AttentionMetadata:
+        num_decodes = len(decodes)
+        max_blocks = max((len(s.seq.block_table) for s in decodes), default=0)
+        tables = np.zeros((num_decodes, max_blocks), dtype=np.int32)
+        for i, s in enumerate(decodes):
+            tables[i, :len(s.seq.block_table)] = s.seq.block_table
+        context_lens = [s.seq.num_computed_tokens + 1 for s in decodes]
+        slot_tensor = torch.tensor(slots, dtype=torch.long, device=self.device)
+        return attention.AttentionMetadata(
+            k_caches=self._k_caches, v_caches=self._v_caches,
+            slot_blocks=slot_tensor // self.block_size, slot_offsets=slot_tensor % self.block_size,
+            num_decode_tokens=num_decodes,
+            decode_block_tables=torch.from_numpy(tables).to(self.device),
+            decode_context_lens=torch.tensor(context_lens, dtype=torch.int32, device=self.device),
+            decode_max_context_len=max(context_lens, default=0),
+            prefills=chunks, kernel=self.kernel, num_threads=torch.get_num_threads(),
+        )
+
+    def _kv_budget(self) -> int:
+        if self.config.kv_cache_memory is not None:
+            return self.config.kv_cache_memory
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            used_elsewhere = total - free  # weights (already loaded) and other processes
+            activations = 2 * 2**30
+            budget = int(total * self.config.gpu_memory_utilization) - used_elsewhere - activations
+            if budget <= 0:
+                raise ConfigError(f"no GPU memory left for a KV cache: {format_size(used_elsewhere)} of "
+                                  f"{format_size(total)} in use; raise --gpu-memory-utilization or free the GPU")
+            return budget
+        available = psutil.virtual_memory().available
+        return int(min(CPU_DEFAULT_KV_BYTES, available * 0.25))
+
+
+def _slots(block_table: list[int], block_size: int, start: int, end: int) -> np.ndarray:
+    """Cache slots of positions [start, end): block_table[p // block_size] * block_size + p % block_size.
+
+        positions   0 1 2 3 | 4 5 6 7 | 8 9        (block_size 4)
+        block_table [  7    ,    2    ,  5 ]
+        slots       28 .. 31| 8 .. 11 | 20 21
+    """
+    positions = np.arange(start, end)
+    table = np.asarray(block_table, dtype=np.int64)
+    return table[positions // block_size] * block_size + positions % block_size
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device cuda was asked for but torch sees no GPU; use --device cpu")
+    return device
+
+
+def _load(model: str | Path | torch.nn.Module, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    attention.register()
+    if isinstance(model, torch.nn.Module):
+        loaded = model
+        loaded.set_attn_implementation(attention.ATTENTION_NAME)
+    else:
+        hf_logging.disable_progress_bar()
+        try:
+            loaded = AutoModelForCausalLM.from_pretrained(model, dtype=dtype,
+                                                          attn_implementation=attention.ATTENTION_NAME)
+        except (OSError, ValueError, KeyError) as exc:
+            raise ModelError(f"cannot load model {model}: {exc}") from exc
+    if loaded.config._attn_implementation != attention.ATTENTION_NAME:
+        raise ModelError(f"{type(loaded).__name__} does not use transformers' attention interface; "
+                         "bulkgen cannot plug its paged attention into it")
+    window = getattr(loaded.config, "sliding_window", None)
+    if window and getattr(loaded.config, "use_sliding_window", True):
+        log.warning("bulkgen: %s uses sliding-window attention (%s tokens); bulkgen attends to the whole "
+                    "context, which is exact only for sequences shorter than the window", type(loaded).__name__,
+                    window)
+    return loaded.to(device=device, dtype=dtype).eval()

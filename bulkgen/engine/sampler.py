@@ -1,0 +1,86 @@
+"""Sampling as small pure functions over a step's logits [num_sampled, vocab] (float32).
+
+Each sequence draws from its own torch.Generator, seeded from its request's seed, so a sampled
+request gives the same tokens whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from bulkgen.config import SamplingParams
+from bulkgen.engine.sequence import Sequence
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    finite: list[bool]  # False where a row's logits held NaN or inf (that sequence fails)
+    logprobs: list[Any]  # per row: None, or {"token": id, "logprob": x, "top": [[id, logprob], ...]}
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Collection[int]) -> SampleResult:
+    num_rows = logits.shape[0]
+    if num_rows == 0:
+        return SampleResult([], [], [])
+    finite = torch.isfinite(logits).all(dim=-1).tolist()
+    processed = logits
+    masked_rows = [i for i, s in enumerate(seqs) if s.params.ignore_eos]
+    if masked_rows and eos_token_ids:
+        processed = processed.clone()
+        rows = torch.tensor(masked_rows, device=logits.device)[:, None]
+        processed[rows, torch.tensor(sorted(eos_token_ids), device=logits.device)[None, :]] = float("-inf")
+    for i, seq in enumerate(seqs):
+        if seq.params.repetition_penalty != 1.0:
+            if processed is logits:
+                processed = processed.clone()
+            apply_repetition_penalty(processed[i], seq.token_ids, seq.params.repetition_penalty)
+    tokens = [0] * num_rows
+    greedy = [i for i, s in enumerate(seqs) if s.params.is_greedy]
+    if greedy:
+        chosen = processed[torch.tensor(greedy, device=logits.device)].argmax(dim=-1).tolist()
+        for i, token in zip(greedy, chosen, strict=True):
+            tokens[i] = token
+    for i, seq in enumerate(seqs):
+        if not seq.params.is_greedy and finite[i]:
+            tokens[i] = sample_row(processed[i], seq.params, seq.generator)
+    logprobs = [_logprobs(logits[i], tokens[i], s.params.logprobs) if s.params.logprobs is not None else None
+                for i, s in enumerate(seqs)]
+    return SampleResult(tokens, finite, logprobs)
+
+
+def apply_repetition_penalty(row: torch.Tensor, token_ids: list[int], penalty: float) -> None:
+    """As in Hugging Face: seen tokens' logits divided by the penalty if positive, multiplied if negative."""
+    seen = torch.tensor(sorted(set(token_ids)), dtype=torch.long, device=row.device)
+    scores = row[seen]
+    row[seen] = torch.where(scores < 0, scores * penalty, scores / penalty)
+
+
+def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """Temperature, then top-k, min-p and top-p filters, then one draw from the sequence's generator."""
+    logits = logits / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.min_p > 0:
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
+    if params.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        cumulative = sorted_probs.cumsum(dim=-1)
+        sorted_probs = sorted_probs.masked_fill(cumulative - sorted_probs > params.top_p * cumulative[-1], 0.0)
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def _logprobs(raw: torch.Tensor, token: int, top: int) -> dict[str, Any]:
+    logprobs = torch.log_softmax(raw, dim=-1)
+    entry: dict[str, Any] = {"token": token, "logprob": float(logprobs[token])}
+    if top:
+        values, ids = logprobs.topk(top)
+        entry["top"] = [[int(i), float(v)] for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
+    return entry

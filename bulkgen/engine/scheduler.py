@@ -1,0 +1,112 @@
+"""The scheduler: which sequences compute how many tokens this step. Plain Python (no torch)."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from bulkgen.engine.block_manager import BlockManager
+from bulkgen.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # computed this step, starting at seq.num_computed_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq]  # running sequences first (admission order), then newly admitted ones
+    preempted: list[Sequence] = field(default_factory=list)  # sent back to the waiting queue this step
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order: the last is preempted first
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        """
+        The rule (after vLLM's v1 scheduler): there is no prefill phase and no decode phase. A step
+        has a token budget. Each running sequence, then each waiting one, is given as many tokens as
+        it needs for its computed tokens to catch up with its known tokens (prompt + output so far),
+        as far as the budget and the free KV blocks allow. So a decode takes 1 token; a new prompt
+        takes all of its tokens, over several steps if the budget is short (chunked prefill); a
+        preempted sequence takes all of its tokens again (recompute), less any prefix still cached.
+        When a running sequence cannot get its blocks, the most recently admitted running sequence
+        is preempted (blocks freed, sent to the front of the waiting queue), never a crash; a step
+        that had to preempt admits nobody new.
+        """
+        bm = self.block_manager
+        budget = self.max_num_batched_tokens
+        out = SchedulerOutput(scheduled=[])
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            assert num_new > 0, "a running sequence always has a token to compute"
+            while not bm.can_allocate(seq, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                bm.allocate(seq, num_new)
+                out.scheduled.append(ScheduledSeq(seq, num_new))
+                budget -= num_new
+                i += 1
+        if out.preempted:
+            return out
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            cached = bm.find_cached_prefix(seq)
+            num_new = min(seq.num_tokens - len(cached) * bm.block_size, budget)
+            if not bm.can_allocate(seq, num_new, cached):
+                break
+            self.waiting.popleft()
+            bm.allocate(seq, num_new, cached)
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = seq.num_computed_tokens
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
+        return out
+
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """End a sequence: out of the queues, its blocks released (full ones stay in the prefix cache)."""
+        assert status.is_finished
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = status
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.PREEMPTED
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)

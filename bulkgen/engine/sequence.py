@@ -1,0 +1,96 @@
+"""A sequence: one request inside the engine, with all of its per-request state. No torch here."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from bulkgen.config import SamplingParams
+
+
+class SequenceStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2  # blocks freed, back in the waiting queue; recomputed when admitted again
+    # Anything after PREEMPTED is finished.
+    FINISHED_STOPPED = 3  # a stop string or stop token
+    FINISHED_EOS = 4
+    FINISHED_LENGTH = 5  # max_new_tokens, or the model's context
+    FINISHED_ABORTED = 6
+    FINISHED_ERROR = 7  # e.g. non-finite logits
+
+    @property
+    def is_finished(self) -> bool:
+        return self > SequenceStatus.PREEMPTED
+
+
+FINISH_REASONS = {
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_EOS: "eos",
+    SequenceStatus.FINISHED_LENGTH: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
+    SequenceStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: Any
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    # Prompt then output: the tokens whose K/V the sequence needs. Output ids are its tail.
+    token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache at first admission
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # of the full, computed blocks
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_preemptions: int = 0
+    error: str | None = None
+    # Filled by the engine (the sampler's generator, the detokenizer) and by the sampler.
+    generator: Any = None
+    detokenizer: Any = None
+    logprobs: list[Any] | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+        if self.params.logprobs is not None:
+            self.logprobs = []
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_REASONS.get(self.status)
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()

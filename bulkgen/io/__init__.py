@@ -1,0 +1,1 @@
+"""Reading inputs (Parquet) and writing exports (Parquet, JSONL)."""

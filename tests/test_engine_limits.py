@@ -1,0 +1,101 @@
+"""Finish reasons (stop string, stop token, EOS, length), refusals, and the KV budget under 10× load."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from bulkgen.config import EngineConfig, SamplingParams
+from bulkgen.engine.engine import Engine
+from bulkgen.errors import PromptTooLongError
+
+PROMPT = list(range(1200, 1230))
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: Path) -> Engine:
+    return Engine(tiny_model_dir, EngineConfig(kv_cache_memory=32 * 2**20))
+
+
+def one(engine: Engine, prompt: list[int], params: SamplingParams):
+    return next(iter(engine.generate([prompt], params)))
+
+
+def test_length(engine: Engine) -> None:
+    out = one(engine, PROMPT, SamplingParams(max_new_tokens=7, ignore_eos=True))
+    assert out.finish_reason == "length" and len(out.output_token_ids) == 7
+
+
+def test_stop_string_ends_the_sequence_and_is_removed(engine: Engine) -> None:
+    full = one(engine, PROMPT, SamplingParams(max_new_tokens=40, ignore_eos=True))
+    text = full.text
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    assert stop.strip(), f"pick a visible stop string from {text!r}"
+    out = one(engine, PROMPT, SamplingParams(max_new_tokens=40, ignore_eos=True, stop=(stop, "never-there")))
+    assert out.finish_reason == "stop"
+    assert out.text == text[:text.index(stop)]
+    assert stop not in out.text
+    assert len(out.output_token_ids) < 40
+    assert full.output_token_ids[:len(out.output_token_ids)] == out.output_token_ids
+
+
+def test_stop_token_id(engine: Engine) -> None:
+    full = one(engine, PROMPT, SamplingParams(max_new_tokens=20, ignore_eos=True))
+    token = full.output_token_ids[5]
+    first = full.output_token_ids.index(token)
+    out = one(engine, PROMPT, SamplingParams(max_new_tokens=20, ignore_eos=True, stop_token_ids=(token,)))
+    assert out.finish_reason == "stop" and out.output_token_ids == full.output_token_ids[:first + 1]
+
+
+def test_eos(tiny_model_dir: Path) -> None:
+    engine = Engine(tiny_model_dir, EngineConfig(kv_cache_memory=8 * 2**20))
+    full = one(engine, PROMPT, SamplingParams(max_new_tokens=20, ignore_eos=True))
+    token = full.output_token_ids[3]
+    engine.eos_token_ids = frozenset([token])  # pretend the model's EOS is a token it will produce
+    out = one(engine, PROMPT, SamplingParams(max_new_tokens=20))
+    first = full.output_token_ids.index(token)
+    assert out.finish_reason == "eos" and out.output_token_ids == full.output_token_ids[:first + 1]
+    ignored = one(engine, PROMPT, SamplingParams(max_new_tokens=20, ignore_eos=True))
+    assert ignored.finish_reason == "length" and len(ignored.output_token_ids) == 20
+    assert token not in ignored.output_token_ids  # ignore_eos masks the EOS token, as HF's min_new_tokens
+
+
+def test_too_long_prompts_are_refused_clearly(tiny_short_model_dir: Path) -> None:
+    engine = Engine(tiny_short_model_dir, EngineConfig(kv_cache_memory=8 * 2**20))
+    with pytest.raises(PromptTooLongError, match="the prompt has 64 tokens; the model's context is 64 tokens"):
+        engine.add("long", list(range(100, 164)))
+    with pytest.raises(PromptTooLongError, match="empty"):
+        engine.add("empty", [])
+    # The engine carries on; a request reaching the context limit ends with "length".
+    out = one(engine, list(range(100, 160)), SamplingParams(max_new_tokens=50, ignore_eos=True))
+    assert out.finish_reason == "length" and len(out.output_token_ids) == 4
+
+
+def test_a_request_larger_than_the_whole_cache_is_refused(tiny_model_dir: Path) -> None:
+    engine = Engine(tiny_model_dir, EngineConfig(kv_cache_memory=64 * 512, block_size=16))  # 64 tokens
+    with pytest.raises(PromptTooLongError, match="raise --kv-cache-memory"):
+        engine.add(0, list(range(100, 150)), SamplingParams(max_new_tokens=20))
+
+
+def test_ten_times_oversubscribed_cache_completes_within_its_budget(tiny_model_dir: Path) -> None:
+    rng = random.Random(7)
+    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(20, 120))] for _ in range(40)]
+    params = [SamplingParams(max_new_tokens=rng.randint(10, 60), ignore_eos=True) for _ in prompts]
+    total = sum(len(p) + s.max_new_tokens for p, s in zip(prompts, params, strict=True))
+    bytes_per_token = 2 * 2 * 2 * 16 * 4  # K and V, 2 layers, 2 KV heads, head_dim 16, fp32
+    budget = total * bytes_per_token // 10
+    engine = Engine(tiny_model_dir, EngineConfig(kv_cache_memory=budget, block_size=8, max_num_seqs=64))
+    assert engine.runner.kv_cache_bytes <= budget
+    assert engine.runner.max_num_tokens * 10 <= total + 10 * 8
+    outputs = list(engine.generate(prompts, params))
+    assert sorted(o.request_id for o in outputs) == list(range(40))
+    assert all(len(o.output_token_ids) == p.max_new_tokens for o, p in
+               zip(sorted(outputs, key=lambda o: o.request_id), params, strict=True))
+    assert engine.stats.num_preemptions > 0
+    assert engine.runner.kv_cache_bytes <= budget  # never grown
+    # Same tokens as with ample memory.
+    ample = Engine(tiny_model_dir, EngineConfig(kv_cache_memory=64 * 2**20))
+    reference = {o.request_id: o.output_token_ids for o in ample.generate(prompts, params)}
+    assert all(o.output_token_ids == reference[o.request_id] for o in outputs)

@@ -1,0 +1,82 @@
+"""Sampling: per-request seeds independent of the batch, the filters, repetition penalty, logprobs."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from bulkgen.config import EngineConfig, SamplingParams
+from bulkgen.engine.engine import Engine
+from bulkgen.engine.sampler import sample_row
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: Path) -> Engine:
+    return Engine(tiny_model_dir, EngineConfig(kv_cache_memory=32 * 2**20))
+
+
+def _run(engine: Engine, requests: dict) -> dict:
+    for request_id, (prompt, params) in requests.items():
+        engine.add(request_id, prompt, params)
+    out = {}
+    while engine.has_unfinished():
+        out.update((o.request_id, o) for o in engine.step())
+    return out
+
+
+def test_a_seeded_request_samples_the_same_alone_and_in_a_batch(engine: Engine) -> None:
+    rng = random.Random(3)
+    target = ([rng.randrange(100, 40000) for _ in range(40)],
+              SamplingParams(max_new_tokens=30, temperature=1.0, top_p=0.95, seed=1234, ignore_eos=True))
+    alone = _run(engine, {"target": target})["target"].output_token_ids
+    others = {f"other-{i}": ([rng.randrange(100, 40000) for _ in range(rng.randint(1, 120))],
+                             SamplingParams(max_new_tokens=rng.randint(5, 40), temperature=0.8, seed=i))
+              for i in range(16)}
+    batched = _run(engine, {**others, "target": target})["target"].output_token_ids
+    assert batched == alone and len(alone) == 30
+    reseeded = _run(engine, {"target": (target[0], target[1].replace(seed=99))})["target"].output_token_ids
+    assert reseeded != alone
+
+
+def test_top_k_one_is_greedy(engine: Engine) -> None:
+    prompt = list(range(300, 340))
+    greedy = _run(engine, {0: (prompt, SamplingParams(max_new_tokens=12))})[0].output_token_ids
+    top1 = _run(engine, {0: (prompt, SamplingParams(max_new_tokens=12, temperature=1.5, top_k=1, seed=5))})
+    assert top1[0].output_token_ids == greedy
+
+
+def test_filters_keep_only_allowed_tokens() -> None:
+    logits = torch.tensor([2.0, 1.9, 0.5, -1.0, -3.0])
+    gen = torch.Generator().manual_seed(0)
+    draws = {sample_row(logits, SamplingParams(temperature=1.0, top_k=2, seed=0), gen) for _ in range(200)}
+    assert draws == {0, 1}
+    draws = {sample_row(logits, SamplingParams(temperature=1.0, top_p=0.5, seed=0), gen) for _ in range(200)}
+    assert draws <= {0, 1} and 0 in draws
+    draws = {sample_row(logits, SamplingParams(temperature=1.0, min_p=0.5, seed=0), gen) for _ in range(200)}
+    assert draws == {0, 1}  # p(2)/p(0) = e^-1.5 < 0.5
+    draws = {sample_row(logits, SamplingParams(temperature=1.0, seed=0), gen) for _ in range(2000)}
+    assert draws == {0, 1, 2, 3, 4}
+
+
+def test_repetition_penalty_matches_hugging_face(tiny_model_dir: Path, engine: Engine) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    prompt = [500, 501, 502, 500, 501, 502, 500, 501]
+    ids = torch.tensor([prompt])
+    expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False,
+                              repetition_penalty=1.5)[0, len(prompt):].tolist()
+    got = _run(engine, {0: (prompt, SamplingParams(max_new_tokens=20, repetition_penalty=1.5))})[0]
+    assert got.output_token_ids == expected
+
+
+def test_logprobs_of_chosen_tokens_and_alternatives(engine: Engine) -> None:
+    out = _run(engine, {0: (list(range(700, 720)), SamplingParams(max_new_tokens=5, logprobs=3))})[0]
+    assert len(out.logprobs) == 5
+    for token, entry in zip(out.output_token_ids, out.logprobs, strict=True):
+        assert entry["token"] == token and entry["logprob"] <= 0
+        assert entry["top"][0][0] == token  # greedy: the chosen token is the most likely
+        assert [lp for _, lp in entry["top"]] == sorted((lp for _, lp in entry["top"]), reverse=True)
