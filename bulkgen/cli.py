@@ -200,6 +200,146 @@ def _first_errors(session, job_id: int, limit: int = 5) -> list[tuple[int, int, 
     return [tuple(r) for r in session.execute(query)]
 
 
+# ------------------------------------------------------------------------------------------ run, export
+
+
+def engine_options(func: Callable) -> Callable:
+    """Engine limits shared by `run` and `bench`."""
+    options = [
+        click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32",
+                     show_default=True, help="Weights, activations and KV cache."),
+        click.option("--device", default="auto", show_default=True, help="cpu, cuda, cuda:N or auto."),
+        click.option("--kv-cache-memory", metavar="SIZE",
+                     help="KV cache size, e.g. 2GiB (default: 4GiB or a quarter of free RAM on CPU; "
+                          "--gpu-memory-utilization on a GPU)."),
+        click.option("--gpu-memory-utilization", type=float, default=0.9, show_default=True,
+                     help="Share of GPU memory for weights and KV cache."),
+        click.option("--max-num-seqs", type=int, default=128, show_default=True, help="Sequences running at once."),
+        click.option("--max-num-batched-tokens", type=int, default=1024, show_default=True,
+                     help="Tokens computed per engine step (the token budget)."),
+        click.option("--max-model-len", type=int, help="Cap on prompt + output tokens (default: the model's)."),
+        click.option("--block-size", type=int, default=16, show_default=True, help="Tokens per KV block."),
+        click.option("--attention-backend", type=click.Choice(["auto", "kernel", "torch"]), default="auto",
+                     show_default=True, help="kernel: bulkgen's C paged attention (CPU); torch: pure torch."),
+        click.option("--num-threads", type=int, help="CPU threads for torch (default: all cores)."),
+        click.option("--prefix-caching/--no-prefix-caching", default=True, show_default=True,
+                     help="Share KV blocks of common prompt prefixes."),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def build_engine_config(options: dict[str, Any]):
+    from bulkgen.config import EngineConfig, parse_size
+
+    kv = options.pop("kv_cache_memory")
+    return EngineConfig(
+        dtype=options.pop("dtype"), device=options.pop("device"),
+        kv_cache_memory=parse_size(kv) if kv else None,
+        gpu_memory_utilization=options.pop("gpu_memory_utilization"),
+        max_num_seqs=options.pop("max_num_seqs"), max_num_batched_tokens=options.pop("max_num_batched_tokens"),
+        max_model_len=options.pop("max_model_len"), block_size=options.pop("block_size"),
+        attention_backend=options.pop("attention_backend"), num_threads=options.pop("num_threads"),
+        enable_prefix_caching=options.pop("prefix_caching"),
+    )
+
+
+@cli.command(context_settings=CONTEXT)
+@click.argument("job_ids", type=int, nargs=-1)
+@engine_options
+@click.option("--lease-seconds", type=float, default=60.0, show_default=True,
+              help="A request's lease; a worker that stops heart-beating loses its requests after this.")
+@click.option("--commit-every", type=int, default=256, show_default=True, help="Commit after this many results...")
+@click.option("--commit-interval", type=float, default=2.0, show_default=True, help="...or this many seconds.")
+@click.option("--max-attempts", type=int, default=3, show_default=True,
+              help="A request abandoned by this many crashed workers fails instead of returning.")
+@click.option("--drain-timeout", type=float, default=30.0, show_default=True,
+              help="On SIGINT/SIGTERM: seconds running requests may take to finish before being released.")
+@click.option("--claim-order", type=click.Choice(["longest", "fifo"]), default="longest", show_default=True,
+              help="Which pending requests to take first.")
+@click.option("--wait", is_flag=True, help="Keep waiting for new jobs instead of exiting when the queue is empty.")
+@click.option("--log-every", type=float, default=30.0, show_default=True,
+              help="Seconds between progress lines when not on a terminal.")
+@click.option("--progress/--no-progress", default=True, help="Show progress on stderr.")
+@json_option
+@db_option
+def run(job_ids: tuple[int, ...], as_json: bool, db_url: str, lease_seconds: float, commit_every: int,
+        commit_interval: float, max_attempts: int, drain_timeout: float, claim_order: str, wait: bool,
+        log_every: float, progress: bool, **engine: Any) -> None:
+    """Run queued jobs (all, or the given ones) until the queue is empty.
+
+    Results are committed as they finish: kill the worker at any moment and run it again, and it
+    carries on where it stopped, losing only what was in flight. SIGINT or SIGTERM stop it cleanly
+    (a second Ctrl-C stops at once). Several workers may share one database.
+
+    \b
+    Example:
+      bulkgen run
+      bulkgen run 3 --kv-cache-memory 2GiB --max-num-seqs 64
+      nohup bulkgen run --wait > worker.log 2>&1 &
+    """
+    import logging
+
+    from bulkgen.worker import Worker, WorkerOptions
+
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    options = WorkerOptions(job_ids=job_ids, lease_s=lease_seconds, commit_rows=commit_every,
+                            commit_interval_s=commit_interval, max_attempts=max_attempts,
+                            drain_timeout_s=drain_timeout, claim_order=claim_order, wait=wait,
+                            progress=progress and not as_json, log_every_s=log_every)
+    store = open_db(db_url)
+    if job_ids:
+        from bulkgen.store import jobs as job_ops
+
+        with store.session_scope() as session:
+            for job_id in job_ids:
+                job_ops.get_job(session, job_id)
+    summary = Worker(store, build_engine_config(engine), options).run()
+    if as_json:
+        emit_json(summary.to_dict())
+    else:
+        click.echo(summary.line(), err=True)
+
+
+@cli.command(context_settings=CONTEXT)
+@click.argument("job_id", type=int)
+@click.option("-o", "--output", "output", type=click.Path(path_type=Path), required=True,
+              help="File to write: .parquet or .jsonl.")
+@click.option("--include-inputs/--no-include-inputs", default=True, show_default=True,
+              help="Join the input file's columns to each row.")
+@click.option("--input", "input_path", type=click.Path(path_type=Path),
+              help="Where the input file is now, if it moved since submit.")
+@click.option("--include-token-ids", is_flag=True, help="Add the output token ids (output_token_ids column).")
+@json_option
+@db_option
+def export(job_id: int, output: Path, include_inputs: bool, input_path: Path | None, include_token_ids: bool,
+           as_json: bool, db_url: str) -> None:
+    """Write a job's results, one row per request in input order, joined to the input columns.
+
+    Columns: row, sample, custom_id, status, output, finish_reason, num_prompt_tokens,
+    num_output_tokens, num_cached_tokens, error, time_to_first_token_s, latency_s, then the input
+    columns (renamed input_NAME where a name clashes). Failed rows carry their error. A running job
+    exports what is committed so far.
+
+    \b
+    Example:
+      bulkgen export 1 -o demo.out.parquet
+      bulkgen export 1 -o demo.out.jsonl --no-include-inputs
+    """
+    from bulkgen.io.export import export_job
+
+    store = open_db(db_url)
+    report = export_job(store, job_id, output, include_inputs=include_inputs, input_path=input_path,
+                        include_token_ids=include_token_ids)
+    if as_json:
+        emit_json(report.to_dict())
+        return
+    partial = " (the job is not finished: this is what is committed so far)" if report.is_partial else ""
+    click.echo(f"job {job_id}: wrote {report.num_rows} rows to {report.path} ({report.num_completed} completed, "
+               f"{report.num_failed} failed){partial}")
+
+
 # ---------------------------------------------------------------------------------------- cancel, retry
 
 

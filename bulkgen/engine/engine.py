@@ -114,6 +114,11 @@ class Engine:
         self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
         return self._finish_output(seq)
 
+    def abort_waiting(self) -> list[RequestOutput]:
+        """Abort every request that has not started computing (a draining worker gives them back)."""
+        waiting = [seq for seq in self.scheduler.waiting if seq.num_computed_tokens == 0]
+        return [out for seq in waiting if (out := self.abort(seq.request_id)) is not None]
+
     def step(self) -> list[RequestOutput]:
         """One engine step; returns the requests that finished in it."""
         scheduled = self.scheduler.schedule()
@@ -188,15 +193,20 @@ class Engine:
         if detok is not None and seq.status == SequenceStatus.FINISHED_STOPPED:
             found = [i for i in (detok.text.find(s) for s in seq.params.stop) if i >= 0]
             stop_at = min(found) if found else None
+        error = seq.error
         if stop_at is not None:
             text = detok.text[:stop_at]
         else:
-            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+            try:
+                text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+            except Exception as exc:  # a tokenizer can fail on ids it does not know
+                text, error = "", f"could not decode the output tokens: {exc}"
+                seq.status = SequenceStatus.FINISHED_ERROR
         end = seq.finish_time or time.monotonic()
         return RequestOutput(
             request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids, output_token_ids=seq.output_token_ids,
             text=text, finish_reason=seq.finish_reason or "abort", num_cached_tokens=seq.num_cached_tokens,
-            num_preemptions=seq.num_preemptions, logprobs=seq.logprobs, error=seq.error,
+            num_preemptions=seq.num_preemptions, logprobs=seq.logprobs, error=error,
             time_to_first_token_s=(seq.first_token_time - seq.arrival_time) if seq.first_token_time else None,
             latency_s=end - seq.arrival_time,
         )

@@ -1,0 +1,201 @@
+"""Export: one row per request, in input order, joined to the input columns; failed rows carry their error.
+
+The input file and the results are streamed side by side, a record batch of input rows at a time, so
+memory stays flat. The output is written to a temporary file and renamed: a reader never sees half.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from sqlalchemy import select
+
+from bulkgen.errors import InputError
+from bulkgen.store import Store
+from bulkgen.store.jobs import get_job
+from bulkgen.store.models import Job, JobStatus, Request, RequestState, Result, unpack_ids
+
+FORMATS = {".parquet": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl"}
+PAGE_ROWS = 4096
+
+RESULT_SCHEMA = pa.schema([
+    ("row", pa.int64()),
+    ("sample", pa.int32()),
+    ("custom_id", pa.string()),
+    ("status", pa.string()),
+    ("output", pa.string()),
+    ("finish_reason", pa.string()),
+    ("num_prompt_tokens", pa.int32()),
+    ("num_output_tokens", pa.int32()),
+    ("num_cached_tokens", pa.int32()),
+    ("error", pa.string()),
+    ("time_to_first_token_s", pa.float64()),
+    ("latency_s", pa.float64()),
+])
+
+
+@dataclass(frozen=True)
+class ExportReport:
+    path: Path
+    num_rows: int
+    num_completed: int
+    num_failed: int
+    is_partial: bool  # the job was still running or queued: what is committed so far
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": str(self.path), "num_rows": self.num_rows, "num_completed": self.num_completed,
+                "num_failed": self.num_failed, "partial": self.is_partial}
+
+
+def export_job(store: Store, job_id: int, out: Path, include_inputs: bool = True, input_path: Path | None = None,
+               include_token_ids: bool = False) -> ExportReport:
+    fmt = FORMATS.get(out.suffix.lower())
+    if fmt is None:
+        raise InputError(f"cannot tell the export format from {out.name!r}: name it .parquet or .jsonl")
+    with store.session_scope() as session:
+        job = get_job(session, job_id)
+        session.expunge(job)
+    source = _open_input(job, input_path) if include_inputs else None
+    out = out.expanduser().resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    handle, tmp_name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+    os.close(handle)
+    writer = _ParquetSink(Path(tmp_name)) if fmt == "parquet" else _JsonlSink(Path(tmp_name))
+    counts = {"rows": 0, "completed": 0, "failed": 0}
+    try:
+        for table in _tables(store, job, source, include_token_ids):
+            writer.write(table)
+            status = table.column("status").to_pylist()
+            counts["rows"] += table.num_rows
+            counts["completed"] += status.count(RequestState.COMPLETED.value)
+            counts["failed"] += status.count(RequestState.FAILED.value)
+        writer.close()
+        os.replace(tmp_name, out)
+    finally:
+        writer.close()
+        if os.path.exists(tmp_name):
+            os.unlink(tmp_name)
+    partial = job.status in (JobStatus.SUBMITTING.value, JobStatus.QUEUED.value, JobStatus.RUNNING.value)
+    return ExportReport(out, counts["rows"], counts["completed"], counts["failed"], partial)
+
+
+def _open_input(job: Job, override: Path | None) -> pq.ParquetFile:
+    path = Path(override or job.input_path)
+    if not path.is_file():
+        raise InputError(f"job {job.id}'s input {path} is gone: give its new place with --input PATH, "
+                         "or export without it (--no-include-inputs)")
+    stat = path.stat()
+    if override is None and job.input_fingerprint != f"size={stat.st_size};mtime_ns={stat.st_mtime_ns}":
+        raise InputError(f"{path} changed since job {job.id} was submitted, so its rows may not line up: "
+                         "point --input at the original file, or use --no-include-inputs")
+    try:
+        source = pq.ParquetFile(path)
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise InputError(f"cannot read input {path}: {exc}") from exc
+    return source
+
+
+def _tables(store: Store, job: Job, source: pq.ParquetFile | None, include_token_ids: bool):
+    include_logprobs = (job.spec.get("sampling") or {}).get("logprobs") is not None
+    if source is None:
+        start = 0
+        while True:
+            table = _results_table(store, job.id, start, start + PAGE_ROWS, include_token_ids, include_logprobs)
+            if table is None:
+                return
+            yield table
+            start += PAGE_ROWS
+    renamed = [f"input_{name}" if name in RESULT_SCHEMA.names or name == "output_token_ids" else name
+               for name in source.schema_arrow.names]
+    start = 0
+    for batch in source.iter_batches(batch_size=PAGE_ROWS):
+        end = start + batch.num_rows
+        results = _results_table(store, job.id, start, end, include_token_ids, include_logprobs)
+        if results is not None:
+            inputs = pa.Table.from_batches([batch]).rename_columns(renamed)
+            rows = pa.array([r - start for r in results.column("row").to_pylist()], pa.int64())
+            joined = inputs.take(rows)
+            for name in joined.column_names:
+                results = results.append_column(name, joined.column(name))
+            yield results
+        start = end
+
+
+def _results_table(store: Store, job_id: int, start: int, end: int, include_token_ids: bool,
+                   include_logprobs: bool) -> pa.Table | None:
+    query = (select(Request.row, Request.sample, Request.custom_id, Request.state, Request.error,
+                    Request.num_prompt_tokens, Result.text, Result.finish_reason, Result.num_output_tokens,
+                    Result.num_cached_tokens, Result.time_to_first_token_s, Result.latency_s,
+                    Result.token_ids, Result.logprobs)
+             .outerjoin(Result, Result.request_id == Request.id)
+             .where(Request.job_id == job_id, Request.row >= start, Request.row < end)
+             .order_by(Request.row, Request.sample))
+    with store.session_scope() as session:
+        rows = session.execute(query).all()
+    if not rows:
+        return None
+    columns: dict[str, list[Any]] = {name: [] for name in RESULT_SCHEMA.names}
+    token_ids: list[list[int] | None] = []
+    logprobs: list[str | None] = []
+    for r in rows:
+        columns["row"].append(r.row)
+        columns["sample"].append(r.sample)
+        columns["custom_id"].append(r.custom_id)
+        columns["status"].append(r.state)
+        columns["output"].append(r.text)
+        columns["finish_reason"].append(r.finish_reason)
+        columns["num_prompt_tokens"].append(r.num_prompt_tokens)
+        columns["num_output_tokens"].append(r.num_output_tokens)
+        columns["num_cached_tokens"].append(r.num_cached_tokens)
+        columns["error"].append(r.error)
+        columns["time_to_first_token_s"].append(r.time_to_first_token_s)
+        columns["latency_s"].append(r.latency_s)
+        token_ids.append(unpack_ids(r.token_ids) if r.token_ids is not None else None)
+        logprobs.append(json.dumps(r.logprobs) if r.logprobs is not None else None)
+    table = pa.table(columns, schema=RESULT_SCHEMA)
+    if include_token_ids:
+        table = table.append_column("output_token_ids", pa.array(token_ids, pa.list_(pa.int32())))
+    if include_logprobs:
+        table = table.append_column("logprobs", pa.array(logprobs, pa.string()))
+    return table
+
+
+class _ParquetSink:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.writer: pq.ParquetWriter | None = None
+        self.schema: pa.Schema | None = None
+
+    def write(self, table: pa.Table) -> None:
+        if self.writer is None:
+            self.schema = table.schema
+            self.writer = pq.ParquetWriter(self.path, self.schema)
+        self.writer.write_table(table)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+        elif not self.path.exists() or self.path.stat().st_size == 0:
+            pq.write_table(RESULT_SCHEMA.empty_table(), self.path)
+
+
+class _JsonlSink:
+    def __init__(self, path: Path) -> None:
+        self.handle = open(path, "w", encoding="utf-8")
+
+    def write(self, table: pa.Table) -> None:
+        for record in table.to_pylist():
+            self.handle.write(json.dumps(record, ensure_ascii=False, default=str) + "\n")
+
+    def close(self) -> None:
+        if not self.handle.closed:
+            self.handle.close()
+

@@ -1,0 +1,202 @@
+"""The work queue: workers claim requests under a lease, renew it by heart-beating, and commit results.
+
+A request is claimed by exactly one worker at a time (SQLite: the claim runs under BEGIN IMMEDIATE;
+PostgreSQL: SELECT … FOR UPDATE SKIP LOCKED). A result lands only on a request still leased by the
+committing worker, in the same transaction that marks it completed, and `results.request_id` is
+unique: so a request is done exactly once, whatever crashed when. Leases of a worker that stopped
+heart-beating expire and its requests return to the queue; a request that keeps coming back (it may
+be what kills workers) fails after `max_attempts`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from sqlalchemy import and_, case, func, select, update
+from sqlalchemy.orm import Session
+
+from bulkgen.store.models import Job, JobStatus, Request, RequestState, Result, Worker, utcnow
+
+RUNNABLE_JOBS = (JobStatus.QUEUED.value, JobStatus.RUNNING.value)
+CLAIM_ORDERS = ("fifo", "longest")
+
+
+@dataclass(frozen=True)
+class ClaimedRequest:
+    id: int
+    job_id: int
+    row: int
+    sample: int
+    prompt_token_ids: bytes
+    max_new_tokens: int
+    seed: int
+    attempts: int
+
+
+def register_worker(session: Session, worker_id: str) -> None:
+    session.merge(Worker(id=worker_id, hostname=socket.gethostname(), pid=os.getpid(), status="running",
+                         started_at=utcnow(), heartbeat_at=utcnow()))
+
+
+def heartbeat(session: Session, worker_id: str, lease_s: float) -> int:
+    """Renew this worker's leases. Returns how many requests it still holds."""
+    now = utcnow()
+    session.execute(update(Worker).where(Worker.id == worker_id).values(heartbeat_at=now))
+    return session.execute(
+        update(Request)
+        .where(Request.lease_owner == worker_id, Request.state == RequestState.RUNNING.value)
+        .values(lease_expires_at=now + timedelta(seconds=lease_s))
+    ).rowcount
+
+
+def stop_worker(session: Session, worker_id: str, num_completed: int, num_output_tokens: int) -> None:
+    session.execute(update(Worker).where(Worker.id == worker_id).values(
+        status="stopped", heartbeat_at=utcnow(), num_completed=num_completed, num_output_tokens=num_output_tokens))
+
+
+def runnable_jobs(session: Session, job_ids: list[int] | None = None) -> list[Job]:
+    """Jobs with work left, oldest first."""
+    query = select(Job).where(Job.status.in_(RUNNABLE_JOBS)).order_by(Job.id)
+    if job_ids:
+        query = query.where(Job.id.in_(job_ids))
+    return list(session.scalars(query))
+
+
+def reclaim_expired(session: Session, max_attempts: int, dead_workers: list[str] = ()) -> int:
+    """Requests whose lease expired (or whose worker is known dead) go back to the queue, or fail
+    once they have been attempted `max_attempts` times. Returns how many were reclaimed."""
+    now = utcnow()
+    lost = and_(Request.state == RequestState.RUNNING.value,
+                (Request.lease_expires_at < now) | Request.lease_owner.in_(list(dead_workers)))
+    exhausted = Request.attempts >= max_attempts
+    return session.execute(
+        update(Request).where(lost).values(
+            state=case((exhausted, RequestState.FAILED.value), else_=RequestState.PENDING.value),
+            error=case((exhausted, f"abandoned {max_attempts} times by workers that stopped while running it: "
+                                   "it may be what crashes them; `bulkgen retry` runs it again"), else_=None),
+            lease_owner=None, lease_expires_at=None, updated_at=now)
+    ).rowcount
+
+
+def dead_local_workers(session: Session) -> list[str]:
+    """Workers on this host whose process is gone: their leases need not wait to expire."""
+    host = socket.gethostname()
+    running = session.execute(select(Worker.id, Worker.pid).where(Worker.hostname == host,
+                                                                  Worker.status == "running")).all()
+    dead = [worker_id for worker_id, pid in running if pid != os.getpid() and not _pid_alive(pid)]
+    if dead:
+        session.execute(update(Worker).where(Worker.id.in_(dead)).values(status="dead"))
+    return dead
+
+
+def claim(session: Session, worker_id: str, job_ids: list[int], limit: int, lease_s: float,
+          order: str = "longest") -> list[ClaimedRequest]:
+    """Lease up to `limit` pending requests of the given jobs (older jobs first)."""
+    if limit <= 0 or not job_ids:
+        return []
+    query = (select(Request.id, Request.job_id, Request.row, Request.sample, Request.prompt_token_ids,
+                    Request.max_new_tokens, Request.seed, Request.attempts)
+             .where(Request.job_id.in_(job_ids), Request.state == RequestState.PENDING.value))
+    if order == "longest":
+        query = query.order_by(Request.job_id, (Request.num_prompt_tokens + Request.max_new_tokens).desc(),
+                               Request.id)
+    else:
+        query = query.order_by(Request.job_id, Request.id)
+    query = query.limit(limit)
+    if session.bind.dialect.name == "postgresql":
+        query = query.with_for_update(skip_locked=True, of=Request)
+    rows = session.execute(query).all()
+    if not rows:
+        return []
+    now = utcnow()
+    ids = [r.id for r in rows]
+    session.execute(update(Request).where(Request.id.in_(ids)).values(
+        state=RequestState.RUNNING.value, lease_owner=worker_id, lease_expires_at=now + timedelta(seconds=lease_s),
+        attempts=Request.attempts + 1, updated_at=now))
+    started = {r.job_id for r in rows}
+    session.execute(update(Job).where(Job.id.in_(started), Job.status == JobStatus.QUEUED.value)
+                    .values(status=JobStatus.RUNNING.value, started_at=func.coalesce(Job.started_at, now)))
+    return [ClaimedRequest(r.id, r.job_id, r.row, r.sample, r.prompt_token_ids, r.max_new_tokens, r.seed,
+                           r.attempts + 1) for r in rows]
+
+
+def commit_results(session: Session, worker_id: str, results: list[dict[str, Any]],
+                   failures: list[tuple[int, str]]) -> tuple[int, int]:
+    """Record finished requests still leased by this worker (others were cancelled or reclaimed and
+    are dropped). Returns (results written, failures written)."""
+    now = utcnow()
+    written = 0
+    for result in results:
+        owned = session.execute(
+            update(Request)
+            .where(Request.id == result["request_id"], Request.state == RequestState.RUNNING.value,
+                   Request.lease_owner == worker_id)
+            .values(state=RequestState.COMPLETED.value, error=None, lease_owner=None, lease_expires_at=None,
+                    updated_at=now)
+        ).rowcount
+        if owned:
+            session.add(Result(worker_id=worker_id, finished_at=now, **result))
+            written += 1
+    failed = 0
+    for request_id, reason in failures:
+        failed += session.execute(
+            update(Request)
+            .where(Request.id == request_id, Request.state == RequestState.RUNNING.value,
+                   Request.lease_owner == worker_id)
+            .values(state=RequestState.FAILED.value, error=reason, lease_owner=None, lease_expires_at=None,
+                    updated_at=now)
+        ).rowcount
+    return written, failed
+
+
+def release(session: Session, worker_id: str, request_ids: list[int]) -> int:
+    """Give unfinished requests back to the queue (a clean stop): this attempt does not count."""
+    if not request_ids:
+        return 0
+    return session.execute(
+        update(Request)
+        .where(Request.id.in_(request_ids), Request.state == RequestState.RUNNING.value,
+               Request.lease_owner == worker_id)
+        .values(state=RequestState.PENDING.value, lease_owner=None, lease_expires_at=None,
+                attempts=Request.attempts - 1, updated_at=utcnow())
+    ).rowcount
+
+
+def lost_requests(session: Session, worker_id: str, request_ids: list[int]) -> list[int]:
+    """Those of `request_ids` this worker no longer holds (cancelled, or reclaimed after a stall)."""
+    if not request_ids:
+        return []
+    held = set(session.scalars(select(Request.id).where(
+        Request.id.in_(request_ids), Request.state == RequestState.RUNNING.value,
+        Request.lease_owner == worker_id)))
+    return [i for i in request_ids if i not in held]
+
+
+def settle_jobs(session: Session, job_ids: list[int]) -> None:
+    """Jobs with no request left to run become completed (or failed, if nothing succeeded)."""
+    for job in session.scalars(select(Job).where(Job.id.in_(job_ids), Job.status.in_(RUNNABLE_JOBS))):
+        counts = dict(session.execute(select(Request.state, func.count()).where(Request.job_id == job.id)
+                                      .group_by(Request.state)).all())
+        if counts.get(RequestState.PENDING.value) or counts.get(RequestState.RUNNING.value):
+            continue
+        job.status = JobStatus.COMPLETED.value if counts.get(RequestState.COMPLETED.value) or not \
+            counts.get(RequestState.FAILED.value) else JobStatus.FAILED.value
+        job.finished_at = utcnow()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie (killed, not yet reaped) is dead for our purposes
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().split(") ", 1)[1][:1] != "Z"
+    except (OSError, IndexError):
+        return True
