@@ -256,8 +256,10 @@ def build_engine_config(options: dict[str, Any]):
               help="A request abandoned by this many crashed workers fails instead of returning.")
 @click.option("--drain-timeout", type=float, default=30.0, show_default=True,
               help="On SIGINT/SIGTERM: seconds running requests may take to finish before being released.")
-@click.option("--claim-order", type=click.Choice(["longest", "fifo"]), default="longest", show_default=True,
-              help="Which pending requests to take first.")
+@click.option("--packing", type=click.Choice(["lpt", "sorted", "fifo"]), default="lpt", show_default=True,
+              help="Admission order: lpt = most output tokens first; sorted = by prompt length; fifo = as submitted.")
+@click.option("--kv-admission/--no-kv-admission", default=True, show_default=True,
+              help="Admit a request only if the KV cache can hold it to its end (avoids preemption).")
 @click.option("--wait", is_flag=True, help="Keep waiting for new jobs instead of exiting when the queue is empty.")
 @click.option("--log-every", type=float, default=30.0, show_default=True,
               help="Seconds between progress lines when not on a terminal.")
@@ -265,7 +267,7 @@ def build_engine_config(options: dict[str, Any]):
 @json_option
 @db_option
 def run(job_ids: tuple[int, ...], as_json: bool, db_url: str, lease_seconds: float, commit_every: int,
-        commit_interval: float, max_attempts: int, drain_timeout: float, claim_order: str, wait: bool,
+        commit_interval: float, max_attempts: int, drain_timeout: float, packing: str, kv_admission: bool, wait: bool,
         log_every: float, progress: bool, **engine: Any) -> None:
     """Run queued jobs (all, or the given ones) until the queue is empty.
 
@@ -286,7 +288,7 @@ def run(job_ids: tuple[int, ...], as_json: bool, db_url: str, lease_seconds: flo
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     options = WorkerOptions(job_ids=job_ids, lease_s=lease_seconds, commit_rows=commit_every,
                             commit_interval_s=commit_interval, max_attempts=max_attempts,
-                            drain_timeout_s=drain_timeout, claim_order=claim_order, wait=wait,
+                            drain_timeout_s=drain_timeout, packing=packing, kv_admission=kv_admission, wait=wait,
                             progress=progress and not as_json, log_every_s=log_every)
     store = open_db(db_url)
     if job_ids:
@@ -338,6 +340,94 @@ def export(job_id: int, output: Path, include_inputs: bool, input_path: Path | N
     partial = " (the job is not finished: this is what is committed so far)" if report.is_partial else ""
     click.echo(f"job {job_id}: wrote {report.num_rows} rows to {report.path} ({report.num_completed} completed, "
                f"{report.num_failed} failed){partial}")
+
+
+@cli.command(context_settings=CONTEXT)
+@click.argument("workload", type=click.Path(path_type=Path), required=False)
+@click.option("--synthetic", type=int, help="Instead of a file: N synthetic requests (prompts 60..1400 tokens).")
+@click.option("--limit", type=int, help="Only the first N rows of the workload file.")
+@click.option("--chat", is_flag=True, help="The prompts are plain instructions: render them with the chat template.")
+@click.option("--max-new-tokens", type=int, default=128, show_default=True,
+              help="Budget for rows without a max_new_tokens column.")
+@click.option("--model", default=None, help="Alias, .gguf file or Hugging Face directory (default model if not given).")
+@click.option("--compare", default="hf-static-sorted", show_default=True,
+              help="Peers, comma-separated, each optionally @dtype: bulkgen-store, hf-static, hf-static-sorted, "
+                   "hf-cb, vllm. Peers that are not installed are skipped.")
+@click.option("--policy", type=click.Choice(["lpt", "sorted", "fifo"]), default="lpt", show_default=True,
+              help="bulkgen's packing policy.")
+@click.option("--kv-admission/--no-kv-admission", default=True, show_default=True,
+              help="Admit only what the KV cache can hold to the end.")
+@click.option("--hf-batch-size", default="8", show_default=True,
+              help="Batch sizes for the HF static peers, comma-separated; the fastest is kept.")
+@click.option("--vllm-python", help="Python of a virtual environment with vLLM (default: ./vllm-venv/bin/python).")
+@click.option("--json", "json_path", type=click.Path(path_type=Path), help="Write the results as JSON here.")
+@click.option("--plot", "plot_path", type=click.Path(path_type=Path),
+              help="Write a PNG of bulkgen's tokens per step and KV use over time.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the synthetic workload.")
+@engine_options
+def bench(workload: Path | None, synthetic: int | None, limit: int | None, chat: bool, max_new_tokens: int,
+          model: str | None, compare: str, policy: str, kv_admission: bool, hf_batch_size: str,
+          vllm_python: str | None, json_path: Path | None, plot_path: Path | None, seed: int, **engine: Any) -> None:
+    """Benchmark bulkgen against its peers on one workload, all in one run, and print one table.
+
+    Every engine generates exactly each row's max_new_tokens greedily (EOS masked), each in its own
+    process, load time excluded. Columns: output and total tokens/s, wall time, tail (from 90 % of
+    requests done to 100 %), peak memory of the process tree, preemptions, mean batch occupancy,
+    padding, and the share of requests whose tokens are identical to the Hugging Face reference.
+
+    \b
+    Example:
+      python ../shared/bench/make_workload.py MODEL_DIR 256 w256.parquet 0
+      bulkgen bench w256.parquet --compare hf-static-sorted,vllm --json w256.json --plot w256.png
+      bulkgen bench w256.parquet --kv-cache-memory 368MiB --compare vllm
+      bulkgen bench --synthetic 32 --compare hf-static,bulkgen-store
+    """
+    from bulkgen.bench import workload as wl
+    from bulkgen.bench.run import BenchOptions, format_table, parse_engines, plot, run_bench, write_json
+    from bulkgen.resolve import DEFAULT_MODEL, load_tokenizer, resolve_model
+
+    if (workload is None) == (synthetic is None):
+        raise click.UsageError("give a workload file or --synthetic N (one of them)")
+    resolved = resolve_model(model or DEFAULT_MODEL, log=lambda m: click.echo(m, err=True))
+    tokenizer = load_tokenizer(resolved.path)
+    if workload is not None:
+        if not workload.is_file():
+            raise click.BadParameter(f"{workload} does not exist", param_hint="WORKLOAD")
+        data = wl.from_parquet(workload, tokenizer, limit, max_new_tokens=max_new_tokens, chat=chat)
+    else:
+        data = wl.synthetic(synthetic, len(tokenizer), seed)
+    config = build_engine_config(engine)
+    engines = parse_engines(compare, config.dtype)
+    vllm_blocks = None
+    if config.kv_cache_memory is not None and any(name == "vllm" for name, _ in engines):
+        from transformers import AutoConfig
+
+        hf = AutoConfig.from_pretrained(resolved.path)
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        element = 2 if config.dtype != "float32" else 4
+        per_token = 2 * hf.num_hidden_layers * (hf.num_key_value_heads or hf.num_attention_heads) * head_dim * element
+        vllm_blocks = max(1, config.kv_cache_memory // per_token // 128)
+    from dataclasses import asdict
+
+    options = BenchOptions(model_path=str(resolved.path), engines=engines, engine_config=asdict(config),
+                           policy=policy, kv_admission=kv_admission,
+                           hf_batch_sizes=[int(b) for b in hf_batch_size.split(",")], vllm_python=vllm_python,
+                           vllm_num_blocks=vllm_blocks, num_threads=config.num_threads)
+    report = run_bench(data, options, log=lambda m: click.echo(m, err=True))
+    d = report["workload"]
+    click.echo(f"workload {d['name']}: {d['num_requests']} requests, {d['num_prompt_tokens']:,} prompt tokens "
+               f"(min {d['prompt_tokens_min']}, mean {d['prompt_tokens_mean']}, max {d['prompt_tokens_max']}), "
+               f"{d['num_output_tokens']:,} output tokens; model {resolved.name}; dtype {config.dtype}; "
+               f"policy {policy}")
+    click.echo(format_table(report))
+    if json_path:
+        write_json(report, json_path)
+        click.echo(f"wrote {json_path}", err=True)
+    if plot_path:
+        if plot(report, plot_path):
+            click.echo(f"wrote {plot_path}", err=True)
+        else:
+            click.echo("no plot: install matplotlib (pip install bulkgen[bench])", err=True)
 
 
 # ---------------------------------------------------------------------------------------- cancel, retry

@@ -38,7 +38,8 @@ class WorkerOptions:
     commit_interval_s: float = 2.0
     max_attempts: int = 3
     drain_timeout_s: float = 30.0  # on SIGINT/SIGTERM: how long running sequences may finish
-    claim_order: str = "longest"
+    packing: str = "lpt"  # claim and admission order (bulkgen.packing)
+    kv_admission: bool = True  # admit only what the KV cache can hold to the end (no preemption)
     wait: bool = False  # when the queue is empty, wait for new work instead of exiting
     poll_s: float = 2.0
     progress: bool = True
@@ -47,8 +48,8 @@ class WorkerOptions:
     def __post_init__(self) -> None:
         if self.lease_s <= 0 or self.commit_rows < 1 or self.commit_interval_s <= 0 or self.max_attempts < 1:
             raise ConfigError("lease, commit interval and commit rows must be positive, max attempts >= 1")
-        if self.claim_order not in q.CLAIM_ORDERS:
-            raise ConfigError(f"claim order must be one of {', '.join(q.CLAIM_ORDERS)}")
+        if self.packing not in q.CLAIM_ORDERS:
+            raise ConfigError(f"packing policy must be one of {', '.join(q.CLAIM_ORDERS)}")
 
 
 @dataclass
@@ -87,7 +88,8 @@ class Worker:
         self.options = options or WorkerOptions()
         self.worker_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.summary = RunSummary(self.worker_id)
-        self._engine_factory = engine_factory or _default_engine
+        self._engine_factory = engine_factory or (lambda path, config: _default_engine(path, config,
+                                                                                        self.options.kv_admission))
         self._engines: dict[str, Any] = {}
         self._stop_requested: str | None = None
         self._stop_time = 0.0
@@ -181,8 +183,7 @@ class Worker:
 
     def _claim(self, engine: Any, job_ids: list[int], params: dict[int, SamplingParams], limit: int) -> int:
         with self.store.session_scope(write=True) as session:
-            claimed = q.claim(session, self.worker_id, job_ids, limit, self.options.lease_s,
-                              self.options.claim_order)
+            claimed = q.claim(session, self.worker_id, job_ids, limit, self.options.lease_s, self.options.packing)
         for request in claimed:
             self._inflight[request.id] = request
             sampling = params[request.job_id].replace(max_new_tokens=request.max_new_tokens, seed=request.seed)
@@ -330,7 +331,12 @@ class _Heartbeat(threading.Thread):
         self.join(timeout=5)
 
 
-def _default_engine(model_path: str, config: EngineConfig) -> Any:
+def _default_engine(model_path: str, config: EngineConfig, kv_admission: bool = True) -> Any:
     from bulkgen.engine.engine import Engine
 
-    return Engine(model_path, config)
+    engine = Engine(model_path, config)
+    if kv_admission:
+        from bulkgen.packing import KVAdmission
+
+        engine.scheduler.admission = KVAdmission(engine.block_manager.num_blocks, engine.block_manager.block_size)
+    return engine

@@ -72,15 +72,16 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                                              meta.decode_context_lens, scale)
     for chunk in meta.prefills:
         span = slice(chunk.offset, chunk.offset + chunk.num_tokens)
-        q = query[0, :, span]  # [num_heads, n, head_dim]
+        q = query[:, :, span]  # [1, num_heads, n, head_dim]: 4-D inputs take torch's fused CPU kernel
         if chunk.context_blocks is None:
-            o = F.scaled_dot_product_attention(q, key[0, :, span], value[0, :, span], is_causal=True,
+            o = F.scaled_dot_product_attention(q, key[:, :, span], value[:, :, span], is_causal=True,
                                                scale=scale, enable_gqa=True)
         else:
-            k = k_cache[chunk.context_blocks, :, chunk.context_offsets].transpose(0, 1)  # [kv_heads, ctx, d]
-            v = v_cache[chunk.context_blocks, :, chunk.context_offsets].transpose(0, 1)
+            # [ctx, kv_heads, d] gathered from the blocks -> [1, kv_heads, ctx, d]
+            k = k_cache[chunk.context_blocks, :, chunk.context_offsets].transpose(0, 1).unsqueeze(0)
+            v = v_cache[chunk.context_blocks, :, chunk.context_offsets].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=chunk.mask, scale=scale, enable_gqa=True)
-        out[span] = o.transpose(0, 1)
+        out[span] = o[0].transpose(0, 1)
     return out.unsqueeze(0), None  # [1, num_tokens, num_heads, head_dim]
 
 

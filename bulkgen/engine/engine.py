@@ -60,7 +60,7 @@ class EngineStats:
 
 class Engine:
     def __init__(self, model: str | Path | torch.nn.Module, config: EngineConfig | None = None,
-                 tokenizer: Any = None) -> None:
+                 tokenizer: Any = None, admission: Any = None) -> None:
         from transformers import AutoTokenizer
 
         self.config = config or EngineConfig()
@@ -72,7 +72,8 @@ class Engine:
         self.max_model_len = min(self.config.max_model_len or context, context)
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
                                           self.config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens,
+                                   admission)
         self.eos_token_ids = _eos_ids(self.runner.model, self.tokenizer)
         self.stats = EngineStats()
         self._seqs: dict[Any, Sequence] = {}

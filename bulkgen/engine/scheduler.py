@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from bulkgen.engine.block_manager import BlockManager
 from bulkgen.engine.sequence import Sequence, SequenceStatus
@@ -29,9 +30,20 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+class AdmissionPolicy(Protocol):
+    """Decides whether a waiting sequence may start now, beyond there being blocks for it (the packer's
+    projection of future KV use, say)."""
+
+    def can_admit(self, candidate: Sequence, running: list[Sequence]) -> bool: ...
+
+    def observe_finished(self, num_output_tokens: int, max_new_tokens: int, ignore_eos: bool) -> None: ...
+
+
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 admission: AdmissionPolicy | None = None) -> None:
         self.block_manager = block_manager
+        self.admission = admission
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -84,6 +96,8 @@ class Scheduler:
             num_new = min(seq.num_tokens - len(cached) * bm.block_size, budget)
             if not bm.can_allocate(seq, num_new, cached):
                 break
+            if self.admission is not None and not self.admission.can_admit(seq, self.running):
+                break
             self.waiting.popleft()
             bm.allocate(seq, num_new, cached)
             if seq.num_preemptions == 0:
@@ -103,6 +117,8 @@ class Scheduler:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
         seq.status = status
+        if self.admission is not None and status != SequenceStatus.FINISHED_ABORTED:
+            self.admission.observe_finished(seq.num_output_tokens, seq.params.max_new_tokens, seq.params.ignore_eos)
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)

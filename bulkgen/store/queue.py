@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session
 from bulkgen.store.models import Job, JobStatus, Request, RequestState, Result, Worker, utcnow
 
 RUNNABLE_JOBS = (JobStatus.QUEUED.value, JobStatus.RUNNING.value)
-CLAIM_ORDERS = ("fifo", "longest")
+CLAIM_ORDERS = ("lpt", "sorted", "fifo")  # the packer's policies (see bulkgen.packing)
 
 
 @dataclass(frozen=True)
@@ -94,16 +94,19 @@ def dead_local_workers(session: Session) -> list[str]:
 
 
 def claim(session: Session, worker_id: str, job_ids: list[int], limit: int, lease_s: float,
-          order: str = "longest") -> list[ClaimedRequest]:
-    """Lease up to `limit` pending requests of the given jobs (older jobs first)."""
+          order: str = "lpt") -> list[ClaimedRequest]:
+    """Lease up to `limit` pending requests of the given jobs (older jobs first), in the packer's order:
+    lpt: most output tokens first (then longest prompt); sorted: shortest prompt first; fifo: as submitted."""
     if limit <= 0 or not job_ids:
         return []
     query = (select(Request.id, Request.job_id, Request.row, Request.sample, Request.prompt_token_ids,
                     Request.max_new_tokens, Request.seed, Request.attempts)
              .where(Request.job_id.in_(job_ids), Request.state == RequestState.PENDING.value))
-    if order == "longest":
-        query = query.order_by(Request.job_id, (Request.num_prompt_tokens + Request.max_new_tokens).desc(),
+    if order == "lpt":
+        query = query.order_by(Request.job_id, Request.max_new_tokens.desc(), Request.num_prompt_tokens.desc(),
                                Request.id)
+    elif order == "sorted":
+        query = query.order_by(Request.job_id, Request.num_prompt_tokens, Request.id)
     else:
         query = query.order_by(Request.job_id, Request.id)
     query = query.limit(limit)

@@ -1,0 +1,215 @@
+"""One engine of a benchmark, in its own process: `python -m bulkgen.bench.child SPEC.json OUT.json`.
+
+Loading is excluded from the timed span. The result holds each request's output token ids, its
+finish time, and what the engine can tell about itself (preemptions, batch occupancy, steps).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bulkgen.bench.workload import Workload
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def run_bulkgen(spec: dict[str, Any], workload: Workload) -> dict[str, Any]:
+    from bulkgen.config import EngineConfig, SamplingParams
+    from bulkgen.engine.engine import Engine
+    from bulkgen.packing import KVAdmission, order
+
+    config = EngineConfig(**spec["engine_config"])
+    engine = Engine(spec["model"], config)
+    if spec.get("kv_admission", True):
+        engine.scheduler.admission = KVAdmission(engine.block_manager.num_blocks, engine.block_manager.block_size)
+    engine.stats.keep_steps = True
+    items = order(list(range(len(workload.prompts))), spec.get("policy", "lpt"),
+                  prompt_len=lambda i: len(workload.prompts[i]), max_new=lambda i: workload.max_new_tokens[i])
+    _warm_up(engine)
+    start = time.perf_counter()
+    for i in items:
+        engine.add(i, workload.prompts[i], SamplingParams(max_new_tokens=workload.max_new_tokens[i], ignore_eos=True))
+    outputs: dict[int, list[int]] = {}
+    finish: dict[int, float] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs[out.request_id] = out.output_token_ids
+            finish[out.request_id] = time.perf_counter() - start
+    wall = time.perf_counter() - start
+    steps = engine.stats.steps
+    return {
+        "output_token_ids": [outputs[i] for i in range(len(workload.prompts))],
+        "finish_s": [finish[i] for i in range(len(workload.prompts))],
+        "wall_s": wall,
+        "preemptions": engine.stats.num_preemptions,
+        "mean_batch_occupancy": sum(s.num_seqs for s in steps) / max(len(steps), 1),
+        "padding_fraction": 0.0,
+        "kv_cache_bytes": engine.runner.kv_cache_bytes,
+        "kv_cache_tokens": engine.runner.max_num_tokens,
+        "steps": [[round(s.time - steps[0].time, 4), s.num_batched_tokens, s.num_decode_tokens, s.num_seqs,
+                   round(s.kv_usage, 4)] for s in steps],
+        "attention": "kernel" if engine.runner.kernel is not None else "torch",
+    }
+
+
+def run_bulkgen_store(spec: dict[str, Any], workload: Workload) -> dict[str, Any]:
+    """The same requests end to end through the job store: queued in SQLite, run by a worker (claims,
+    leases, heartbeats, commits), read back. The requests are written with the workload's own token
+    ids, so the outputs compare with the engine's."""
+    import tempfile
+
+    from sqlalchemy import select
+
+    from bulkgen.config import EngineConfig, SamplingParams
+    from bulkgen.store import jobs as job_ops
+    from bulkgen.store import open_store
+    from bulkgen.store.models import Request, Result, pack_ids, unpack_ids, utcnow
+    from bulkgen.worker import Worker, WorkerOptions
+
+    model_path = str(Path(spec["model"]).resolve())
+    with tempfile.TemporaryDirectory() as tmp:
+        store = open_store(f"sqlite:///{tmp}/bench.db")
+        sampling = SamplingParams(ignore_eos=True, seed=0)
+        with store.session_scope(write=True) as session:
+            job_id = job_ops.create_job(session, name="bench", model=model_path, model_path=model_path,
+                                        input_path="-", input_fingerprint="-", input_columns=[],
+                                        spec={"sampling": sampling.to_dict()}).id
+            job_ops.insert_requests(session, [
+                {"job_id": job_id, "row": i, "sample": 0, "prompt_token_ids": pack_ids(p),
+                 "num_prompt_tokens": len(p), "max_new_tokens": n, "seed": 0, "state": "pending", "attempts": 0,
+                 "updated_at": utcnow()}
+                for i, (p, n) in enumerate(zip(workload.prompts, workload.max_new_tokens, strict=True))])
+            job_ops.open_job(session, job_id, len(workload.prompts))
+        options = WorkerOptions(job_ids=(job_id,), progress=False, packing=spec.get("policy", "lpt"),
+                                kv_admission=spec.get("kv_admission", True))
+        worker = Worker(store, EngineConfig(**spec["engine_config"]), options)
+        engine = worker._engine(model_path)  # loaded outside the timed span
+        _warm_up(engine)
+        start = time.perf_counter()
+        summary = worker.run()
+        wall = time.perf_counter() - start
+        with store.session_scope() as session:
+            rows = session.execute(select(Request.row, Result.token_ids).join(Result)
+                                   .where(Request.job_id == job_id).order_by(Request.row)).all()
+    return {
+        "output_token_ids": [unpack_ids(r.token_ids) for r in rows],
+        "finish_s": None,
+        "wall_s": wall,
+        "preemptions": summary.num_preemptions,
+        "notes": "through the job store (SQLite) and a worker",
+    }
+
+
+def run_hf_static(spec: dict[str, Any], workload: Workload, sort: bool) -> dict[str, Any]:
+    """Hugging Face generate() on left-padded static batches (file order, or sorted by prompt length)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=DTYPES[spec["dtype"]],
+                                                 attn_implementation="sdpa").eval()
+    pad = model.generation_config.pad_token_id or model.config.eos_token_id or 0
+    if isinstance(pad, list):
+        pad = pad[0]
+    order = sorted(range(len(workload.prompts)), key=lambda i: len(workload.prompts[i])) if sort \
+        else list(range(len(workload.prompts)))
+    best: dict[str, Any] | None = None
+    for batch_size in spec.get("hf_batch_sizes", [8]):
+        outputs: dict[int, list[int]] = {}
+        finish: dict[int, float] = {}
+        slots = useful = 0
+        start = time.perf_counter()
+        with torch.inference_mode():
+            for b in range(0, len(order), batch_size):
+                batch = order[b:b + batch_size]
+                longest = max(len(workload.prompts[i]) for i in batch)
+                steps = max(workload.max_new_tokens[i] for i in batch)
+                ids = torch.full((len(batch), longest), pad, dtype=torch.long)
+                mask = torch.zeros((len(batch), longest), dtype=torch.long)
+                for row, i in enumerate(batch):
+                    prompt = workload.prompts[i]
+                    ids[row, longest - len(prompt):] = torch.tensor(prompt)
+                    mask[row, longest - len(prompt):] = 1
+                out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=steps,
+                                     min_new_tokens=steps, do_sample=False, pad_token_id=pad)
+                done = time.perf_counter() - start
+                for row, i in enumerate(batch):
+                    outputs[i] = out[row, longest:longest + workload.max_new_tokens[i]].tolist()
+                    finish[i] = done
+                    useful += len(workload.prompts[i]) + workload.max_new_tokens[i]
+                slots += len(batch) * (longest + steps)
+        wall = time.perf_counter() - start
+        result = {"output_token_ids": [outputs[i] for i in range(len(workload.prompts))],
+                  "finish_s": [finish[i] for i in range(len(workload.prompts))], "wall_s": wall,
+                  "padding_fraction": 1 - useful / slots, "mean_batch_occupancy": float(batch_size),
+                  "notes": f"batch size {batch_size}"}
+        if best is None or wall < best["wall_s"]:
+            best = result
+    assert best is not None
+    return best
+
+
+def run_hf_cb(spec: dict[str, Any], workload: Workload) -> dict[str, Any]:
+    """transformers' own continuous batching (generate_batch's manager), per-request budgets, EOS off."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=DTYPES[spec["dtype"]],
+                                                 attn_implementation="sdpa").eval()
+    config = GenerationConfig(do_sample=False, max_new_tokens=max(workload.max_new_tokens), eos_token_id=-1,
+                              pad_token_id=0)
+    manager = model.init_continuous_batching(generation_config=config)
+    manager.start()
+    outputs: dict[int, list[int]] = {}
+    finish: dict[int, float] = {}
+    start = time.perf_counter()
+    try:
+        for i, prompt in enumerate(workload.prompts):
+            manager.add_request(prompt, request_id=str(i), max_new_tokens=workload.max_new_tokens[i],
+                                eos_token_id=-1)
+        while len(outputs) < len(workload.prompts):
+            result = manager.get_result(timeout=600)
+            if result is None:
+                raise RuntimeError("transformers' continuous batching returned nothing for 10 minutes")
+            if result.is_finished():
+                outputs[int(result.request_id)] = list(result.generated_tokens)
+                finish[int(result.request_id)] = time.perf_counter() - start
+    finally:
+        manager.stop(block=True)
+    wall = time.perf_counter() - start
+    return {"output_token_ids": [outputs[i] for i in range(len(workload.prompts))],
+            "finish_s": [finish[i] for i in range(len(workload.prompts))], "wall_s": wall}
+
+
+def _warm_up(engine: Any) -> None:
+    """One tiny request, so first-call costs (kernel build, allocator) stay out of the timed span."""
+    from bulkgen.config import SamplingParams
+
+    list(engine.generate([[100, 101, 102, 103]], SamplingParams(max_new_tokens=2, ignore_eos=True)))
+    engine.stats.steps.clear()
+    engine.stats.num_preemptions = engine.scheduler.num_preemptions = 0
+
+
+RUNNERS = {
+    "bulkgen": run_bulkgen,
+    "bulkgen-store": run_bulkgen_store,
+    "hf-static": lambda spec, w: run_hf_static(spec, w, sort=False),
+    "hf-static-sorted": lambda spec, w: run_hf_static(spec, w, sort=True),
+    "hf-cb": run_hf_cb,
+}
+
+
+def main() -> None:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    if spec.get("num_threads"):
+        torch.set_num_threads(spec["num_threads"])
+    workload = Workload.load(Path(spec["workload"]))
+    result = RUNNERS[spec["engine"]](spec, workload)
+    Path(sys.argv[2]).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,231 @@
+"""The bench driver: prepares the workload, runs each engine in its own process (watching its memory),
+and reports one table, a JSON file and a plot."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from bulkgen.bench.workload import Workload
+from bulkgen.errors import ConfigError
+
+ENGINES = ("bulkgen", "bulkgen-store", "hf-static", "hf-static-sorted", "hf-cb", "vllm")
+VLLM_BLOCK_TOKENS = 128  # vLLM's KV block on its CPU backend
+TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
+
+
+@dataclass
+class BenchOptions:
+    model_path: str
+    engines: list[tuple[str, str]]  # (engine, dtype)
+    engine_config: dict[str, Any]
+    policy: str = "lpt"
+    kv_admission: bool = True
+    hf_batch_sizes: list[int] = field(default_factory=lambda: [8])
+    vllm_python: str | None = None
+    vllm_num_blocks: int | None = None  # vLLM's KV cache in its 128-token CPU blocks (None: 4 GiB)
+    num_threads: int | None = None
+    timeout_s: float = 4 * 3600
+
+
+def parse_engines(compare: str, dtype: str) -> list[tuple[str, str]]:
+    """'hf-static-sorted,vllm@bfloat16' → [('bulkgen', dtype), ('hf-static-sorted', dtype), ('vllm', 'bfloat16')]"""
+    engines = []
+    for item in [c.strip() for c in compare.split(",") if c.strip()]:
+        name, _, engine_dtype = item.partition("@")
+        if name not in ENGINES:
+            raise ConfigError(f"unknown engine {name!r} in --compare; known: {', '.join(ENGINES)}")
+        if engine_dtype and engine_dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"unknown dtype {engine_dtype!r} in --compare {item!r}")
+        engines.append((name, engine_dtype or dtype))
+    if not any(name == "bulkgen" for name, _ in engines):
+        engines.insert(0, ("bulkgen", dtype))
+    return engines
+
+
+def run_bench(workload: Workload, options: BenchOptions, log: Callable[[str], None]) -> dict[str, Any]:
+    results = []
+    with tempfile.TemporaryDirectory(prefix="bulkgen-bench-") as tmp:
+        workload_path = Path(tmp) / "workload.json"
+        workload.save(workload_path)
+        for name, dtype in options.engines:
+            label = name if dtype == options.engine_config["dtype"] else f"{name}@{dtype}"
+            command, env = _command(name, options)
+            if command is None:
+                log(f"bench: skipping {label}: {env['why']}")
+                continue
+            spec = {"engine": name, "model": options.model_path, "workload": str(workload_path), "dtype": dtype,
+                    "engine_config": {**options.engine_config, "dtype": dtype}, "policy": options.policy,
+                    "kv_admission": options.kv_admission, "hf_batch_sizes": options.hf_batch_sizes,
+                    "num_threads": options.num_threads, "vllm_num_blocks": options.vllm_num_blocks}
+            spec_path, out_path = Path(tmp) / f"{label}.spec.json", Path(tmp) / f"{label}.out.json"
+            spec_path.write_text(json.dumps(spec))
+            log(f"bench: running {label} on {len(workload.prompts)} requests ...")
+            outcome = _run_child([*command, str(spec_path), str(out_path)], env, options.timeout_s)
+            if outcome["error"]:
+                log(f"bench: {label} failed: {outcome['error']}")
+                results.append({"engine": label, "error": outcome["error"]})
+                continue
+            raw = json.loads(out_path.read_text())
+            raw["peak_memory_bytes"] = outcome["peak_rss"]
+            results.append(_metrics(label, dtype, raw, workload))
+            log(f"bench: {label}: {results[-1]['output_tok_per_s']:.1f} output tok/s")
+    _compare(results)
+    return {"workload": workload.describe(), "model": options.model_path, "policy": options.policy,
+            "engine_config": options.engine_config, "results": results}
+
+
+def _command(name: str, options: BenchOptions) -> tuple[list[str] | None, dict[str, str]]:
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    if name != "vllm":
+        return [sys.executable, "-m", "bulkgen.bench.child"], env
+    python = options.vllm_python or os.environ.get("BULKGEN_VLLM_PYTHON")
+    if python is None and Path("vllm-venv/bin/python").exists():
+        python = "vllm-venv/bin/python"
+    if python is None or shutil.which(python) is None and not Path(python).exists():
+        return None, {"why": "no vLLM environment (give --vllm-python PATH; see ../shared/bench/README.md)"}
+    check = subprocess.run([python, "-c", "import vllm"], capture_output=True, text=True, env=env)
+    if check.returncode != 0:
+        return None, {"why": f"vLLM does not import in {python}: {check.stderr.strip()[-300:]}"}
+    cores = options.num_threads or psutil.cpu_count(logical=True) or 1
+    env.update({"VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}", "VLLM_CPU_KVCACHE_SPACE": "4"})
+    env.pop("PYTHONPATH", None)
+    if Path(TCMALLOC).exists():
+        env["LD_PRELOAD"] = TCMALLOC
+    script = Path(__file__).with_name("vllm_child.py")
+    return [python, str(script)], env
+
+
+def _run_child(command: list[str], env: dict[str, str], timeout_s: float) -> dict[str, Any]:
+    """Run a child to its end, sampling the RSS of its whole process tree."""
+    with tempfile.TemporaryFile(mode="w+") as stderr:
+        proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
+        peak = 0
+        deadline = time.monotonic() + timeout_s
+        root = psutil.Process(proc.pid)
+        while proc.poll() is None:
+            try:
+                peak = max(peak, sum(p.memory_info().rss for p in [root, *root.children(recursive=True)]))
+            except psutil.Error:
+                pass
+            if time.monotonic() > deadline:
+                proc.kill()
+                return {"error": f"timed out after {timeout_s:.0f}s", "peak_rss": peak}
+            time.sleep(0.1)
+        if proc.returncode != 0:
+            stderr.seek(0)
+            tail = stderr.read()[-1500:]
+            return {"error": f"exit {proc.returncode}: {tail}", "peak_rss": peak}
+    return {"error": None, "peak_rss": peak}
+
+
+def _metrics(label: str, dtype: str, raw: dict[str, Any], workload: Workload) -> dict[str, Any]:
+    wall = raw["wall_s"]
+    num_output = sum(len(t) for t in raw["output_token_ids"])
+    finish = sorted(raw["finish_s"]) if raw.get("finish_s") else None
+    tail = None
+    if finish:
+        ninety = finish[max(0, int(0.9 * len(finish)) - 1)]
+        tail = finish[-1] - ninety
+    return {
+        "engine": label, "dtype": dtype,
+        "output_tok_per_s": num_output / wall,
+        "total_tok_per_s": (num_output + workload.num_prompt_tokens) / wall,
+        "wall_s": wall, "tail_s": tail,
+        "peak_memory_bytes": raw.get("peak_memory_bytes"),
+        "preemptions": raw.get("preemptions"),
+        "mean_batch_occupancy": raw.get("mean_batch_occupancy"),
+        "padding_fraction": raw.get("padding_fraction"),
+        "kv_cache_tokens": raw.get("kv_cache_tokens"),
+        "all_budgets_met": [len(t) for t in raw["output_token_ids"]] == workload.max_new_tokens,
+        "notes": raw.get("notes") or raw.get("attention"),
+        "steps": raw.get("steps"),
+        "_tokens": raw["output_token_ids"],
+    }
+
+
+def _compare(results: list[dict[str, Any]]) -> None:
+    """Agreement with the Hugging Face reference (the first HF engine run) and ratios to bulkgen."""
+    ok = [r for r in results if not r.get("error")]
+    reference = next((r for r in ok if r["engine"].startswith("hf-")), None)
+    base = next((r for r in ok if r["engine"] == "bulkgen"), None)
+    for r in ok:
+        if reference is not None:
+            pairs = zip(r["_tokens"], reference["_tokens"], strict=True)
+            r["identical_share"] = sum(a == b for a, b in pairs) / len(reference["_tokens"])
+            r["reference"] = reference["engine"]
+        else:
+            r["identical_share"] = None
+        if base is not None:
+            r["ratio_vs_bulkgen"] = r["output_tok_per_s"] / base["output_tok_per_s"]
+    for r in ok:
+        del r["_tokens"]
+
+
+def format_table(report: dict[str, Any]) -> str:
+    header = (f"{'engine':<22} {'out tok/s':>9} {'total tok/s':>11} {'wall s':>8} {'tail s':>7} {'peak mem':>9} "
+              f"{'preempt':>7} {'batch':>6} {'pad':>5} {'identical':>9}  notes")
+    lines = [header, "-" * len(header)]
+    for r in report["results"]:
+        if r.get("error"):
+            lines.append(f"{r['engine']:<22} failed: {r['error'][:80]}")
+            continue
+        mem = f"{r['peak_memory_bytes'] / 2**30:.2f}G" if r.get("peak_memory_bytes") else "-"
+        ident = f"{100 * r['identical_share']:.1f}%" if r.get("identical_share") is not None else "-"
+        lines.append(
+            f"{r['engine']:<22} {r['output_tok_per_s']:>9.1f} {r['total_tok_per_s']:>11.1f} {r['wall_s']:>8.1f} "
+            f"{_opt(r['tail_s'], '.1f'):>7} {mem:>9} {_opt(r['preemptions'], 'd'):>7} "
+            f"{_opt(r['mean_batch_occupancy'], '.1f'):>6} {_opt(r['padding_fraction'], '.0%'):>5} {ident:>9}  "
+            f"{r.get('notes') or ''}")
+    return "\n".join(lines)
+
+
+def write_json(report: dict[str, Any], path: Path) -> None:
+    slim = {**report, "results": [{k: v for k, v in r.items() if k != "steps"} for r in report["results"]]}
+    path.write_text(json.dumps(slim, indent=2))
+
+
+def plot(report: dict[str, Any], path: Path) -> bool:
+    """Tokens per step and KV use over time of bulkgen's run. False if matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    run = next((r for r in report["results"] if r["engine"] == "bulkgen" and r.get("steps")), None)
+    if run is None:
+        return False
+    steps = run["steps"]
+    t = [s[0] for s in steps]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
+    top.plot(t, [s[1] for s in steps], lw=0.8, label="tokens computed")
+    top.plot(t, [s[2] for s in steps], lw=0.8, label="decode tokens")
+    top.set_ylabel("tokens per step")
+    top.legend(loc="upper right")
+    top.set_title(f"bulkgen on {report['workload']['name']}: {run['output_tok_per_s']:.1f} output tok/s, "
+                  f"{run['preemptions']} preemptions")
+    bottom.plot(t, [100 * s[4] for s in steps], color="tab:red", lw=0.8)
+    bottom.set_ylabel("KV blocks in use (%)")
+    bottom.set_xlabel("seconds")
+    bottom.set_ylim(0, 105)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def _opt(value: Any, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)

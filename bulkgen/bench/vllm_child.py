@@ -1,0 +1,42 @@
+"""vLLM as a benchmark peer, run by the Python of vLLM's own virtual environment (it pins its own
+transformers, so nothing of bulkgen is imported here): `python vllm_child.py SPEC.json OUT.json`."""
+
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    workload = json.loads(Path(spec["workload"]).read_text())
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    kwargs = {}
+    if spec.get("vllm_num_blocks"):
+        kwargs["num_gpu_blocks_override"] = spec["vllm_num_blocks"]
+    llm = LLM(model=spec["model"], dtype=spec["dtype"], seed=0, **kwargs)
+    engine = llm.llm_engine
+    prompts, budgets = workload["prompts"], workload["max_new_tokens"]
+    # warm-up outside the timed span
+    llm.generate([TokensPrompt(prompt_token_ids=[100, 101, 102])], SamplingParams(max_tokens=2), use_tqdm=False)
+    outputs, finish = {}, {}
+    start = time.perf_counter()
+    for i, (prompt, n) in enumerate(zip(prompts, budgets, strict=True)):
+        engine.add_request(str(i), TokensPrompt(prompt_token_ids=prompt),
+                           SamplingParams(temperature=0, max_tokens=n, min_tokens=n, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[int(out.request_id)] = list(out.outputs[0].token_ids)
+                finish[int(out.request_id)] = time.perf_counter() - start
+    wall = time.perf_counter() - start
+    result = {"output_token_ids": [outputs[i] for i in range(len(prompts))],
+              "finish_s": [finish[i] for i in range(len(prompts))], "wall_s": wall,
+              "notes": f"vLLM {__import__('vllm').__version__}"}
+    Path(sys.argv[2]).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""Benchmark workloads: a Parquet file (as from make_workload.py) or a synthetic one, as token ids."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from bulkgen.errors import InputError
+
+
+@dataclass
+class Workload:
+    name: str
+    ids: list[str]
+    prompts: list[list[int]]  # token ids
+    max_new_tokens: list[int]
+    texts: list[str] | None = None  # the prompts as text, when the workload came as text
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.max_new_tokens)
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(asdict(self)))
+
+    @classmethod
+    def load(cls, path: Path) -> Workload:
+        return cls(**json.loads(path.read_text()))
+
+    def describe(self) -> dict:
+        lengths = [len(p) for p in self.prompts]
+        return {"name": self.name, "num_requests": len(self.prompts), "num_prompt_tokens": self.num_prompt_tokens,
+                "num_output_tokens": self.num_output_tokens, "prompt_tokens_min": min(lengths),
+                "prompt_tokens_mean": round(sum(lengths) / len(lengths), 1), "prompt_tokens_max": max(lengths)}
+
+
+def from_parquet(path: Path, tokenizer, limit: int | None = None, prompt_column: str = "prompt",
+                 max_new_tokens: int = 128, chat: bool = False) -> Workload:
+    """Rows of `prompt` (already chat-formatted text, tokenized without special tokens; or, with `chat`,
+    plain instructions rendered as a user message) and, if present, `max_new_tokens` and `id`."""
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except Exception as exc:
+        raise InputError(f"cannot read workload {path}: {exc}") from exc
+    if prompt_column not in table.column_names:
+        raise InputError(f"workload {path} has no column {prompt_column!r}; its columns: {table.column_names}")
+    if limit:
+        table = table.slice(0, limit)
+    texts = table.column(prompt_column).to_pylist()
+    budgets = (table.column("max_new_tokens").to_pylist() if "max_new_tokens" in table.column_names
+               else [max_new_tokens] * len(texts))
+    ids = (table.column("id").to_pylist() if "id" in table.column_names else [str(i) for i in range(len(texts))])
+    if chat:
+        texts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                               tokenize=False) for t in texts]
+    prompts = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    return Workload(Path(path).name, [str(i) for i in ids], prompts, [int(b) for b in budgets], texts)
+
+
+def synthetic(num_requests: int, vocab_size: int, seed: int = 0) -> Workload:
+    """Like make_workload.py's shape without its text: prompt lengths log-uniform over 60..1400 tokens,
+    max_new_tokens uniform over 16..256, random token ids."""
+    rng = random.Random(seed)
+    prompts, budgets = [], []
+    for _ in range(num_requests):
+        length = int(round(math.exp(rng.uniform(math.log(60), math.log(1400)))))
+        prompts.append([rng.randrange(100, vocab_size) for _ in range(length)])
+        budgets.append(rng.randint(16, 256))
+    return Workload(f"synthetic-{num_requests}-seed{seed}", [f"syn-{i:05d}" for i in range(num_requests)],
+                    prompts, budgets)
