@@ -100,6 +100,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # kernel: our C paged attention (CPU); torch: pure torch
     num_threads: int | None = None  # torch intra-op threads on CPU
+    pack_weights: bool = True  # CPU: reorder linear weights once for oneDNN (faster GEMMs)
 
     def __post_init__(self) -> None:
         _check(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")

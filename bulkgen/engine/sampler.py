@@ -27,7 +27,6 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Collection
     num_rows = logits.shape[0]
     if num_rows == 0:
         return SampleResult([], [], [])
-    finite = torch.isfinite(logits).all(dim=-1).tolist()
     processed = logits
     masked_rows = [i for i, s in enumerate(seqs) if s.params.ignore_eos]
     if masked_rows and eos_token_ids:
@@ -45,9 +44,14 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Collection
         chosen = processed[torch.tensor(greedy, device=logits.device)].argmax(dim=-1).tolist()
         for i, token in zip(greedy, chosen, strict=True):
             tokens[i] = token
+    # A NaN or +inf logit wins argmax, so checking the chosen logits finds broken rows cheaply.
+    finite = torch.isfinite(processed[torch.arange(num_rows, device=logits.device),
+                                      torch.tensor(tokens, device=logits.device)]).tolist()
     for i, seq in enumerate(seqs):
-        if not seq.params.is_greedy and finite[i]:
-            tokens[i] = sample_row(processed[i], seq.params, seq.generator)
+        if not seq.params.is_greedy:
+            finite[i] = bool(torch.isfinite(logits[i]).all())
+            if finite[i]:
+                tokens[i] = sample_row(processed[i], seq.params, seq.generator)
     logprobs = [_logprobs(logits[i], tokens[i], s.params.logprobs) if s.params.logprobs is not None else None
                 for i, s in enumerate(seqs)]
     return SampleResult(tokens, finite, logprobs)

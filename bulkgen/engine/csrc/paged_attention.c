@@ -21,6 +21,9 @@
 #include <string.h>
 
 #define MAX_GROUP 64
+#ifndef PREFETCH_BLOCKS
+#define PREFETCH_BLOCKS 2  /* how far ahead the next blocks are prefetched */
+#endif
 typedef float vf16 __attribute__((vector_size(64)));
 typedef uint32_t vu16 __attribute__((vector_size(64)));
 typedef uint16_t vh16 __attribute__((vector_size(32)));
@@ -133,8 +136,9 @@ static void NAME(const float *qs, const T *k_cache, const T *v_cache, const int3
     for (int t0 = 0; t0 < ctx; t0 += block_size) {                                                      \
         const T *kb = k_cache + (int64_t)table[t0 / block_size] * block_stride + (int64_t)kh * head_stride;\
         const int n = ctx - t0 < block_size ? ctx - t0 : block_size;                                    \
-        const T *next = t0 + block_size < ctx                                                           \
-            ? k_cache + (int64_t)table[t0 / block_size + 1] * block_stride + (int64_t)kh * head_stride  \
+        const T *next = t0 + PREFETCH_BLOCKS * block_size < ctx                                         \
+            ? k_cache + (int64_t)table[t0 / block_size + PREFETCH_BLOCKS] * block_stride                \
+              + (int64_t)kh * head_stride                                                               \
             : NULL;                                                                                     \
         for (int j = 0; j < n; j++) {                                                                   \
             if (next != NULL)                                                                           \
@@ -157,8 +161,8 @@ static void NAME(const float *qs, const T *k_cache, const T *v_cache, const int3
     for (int t0 = 0; t0 < ctx; t0 += block_size) {                                                      \
         const T *vb = v_cache + (int64_t)table[t0 / block_size] * block_stride + (int64_t)kh * head_stride;\
         const int n = ctx - t0 < block_size ? ctx - t0 : block_size;                                    \
-        if (t0 + block_size < ctx) {                                                                    \
-            const char *next = (const char *)(v_cache + (int64_t)table[t0 / block_size + 1] * block_stride \
+        if (t0 + PREFETCH_BLOCKS * block_size < ctx) {                                                  \
+            const char *next = (const char *)(v_cache + (int64_t)table[t0 / block_size + PREFETCH_BLOCKS] * block_stride \
                                               + (int64_t)kh * head_stride);                             \
             for (int c = 0; c < (int)(sizeof(T) * (HD)) * block_size; c += 64) __builtin_prefetch(next + c); \
         }                                                                                               \
