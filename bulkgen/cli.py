@@ -214,7 +214,7 @@ def engine_options(func: Callable) -> Callable:
                           "--gpu-memory-utilization on a GPU)."),
         click.option("--gpu-memory-utilization", type=float, default=0.9, show_default=True,
                      help="Share of GPU memory for weights and KV cache."),
-        click.option("--max-num-seqs", type=int, default=128, show_default=True, help="Sequences running at once."),
+        click.option("--max-num-seqs", type=int, default=256, show_default=True, help="Sequences running at once."),
         click.option("--max-num-batched-tokens", type=int, default=1024, show_default=True,
                      help="Tokens computed per engine step (the token budget)."),
         click.option("--max-model-len", type=int, help="Cap on prompt + output tokens (default: the model's)."),

@@ -94,7 +94,7 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV block
     kv_cache_memory: int | None = None  # bytes for K and V of all layers
     gpu_memory_utilization: float = 0.9  # share of GPU memory for weights + KV when kv_cache_memory is None
-    max_num_seqs: int = 128  # sequences running at once
+    max_num_seqs: int = 256  # sequences running at once
     max_num_batched_tokens: int = 1024  # tokens computed per step (the token budget)
     max_model_len: int | None = None  # defaults to the model's context length
     enable_prefix_caching: bool = True

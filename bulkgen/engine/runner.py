@@ -57,8 +57,8 @@ class ModelRunner:
                               "bytes with --kv-cache-memory")
         # One allocation, never grown: [K|V, layer, block, kv_head, row, head_dim]. Head-major blocks keep
         # one head's rows of a block contiguous, which is how decode attention reads them.
-        self.kv_cache = torch.zeros(2, self.num_layers, self.num_blocks, self.num_kv_heads, self.block_size,
-                                    self.head_dim, dtype=self.dtype, device=self.device)
+        self.kv_cache = _zeros_on_huge_pages((2, self.num_layers, self.num_blocks, self.num_kv_heads,
+                                              self.block_size, self.head_dim), self.dtype, self.device)
         self.kv_cache_bytes = self.kv_cache.numel() * element
         self._k_caches = list(self.kv_cache[0])
         self._v_caches = list(self.kv_cache[1])
@@ -179,6 +179,24 @@ def pack_linears(model: torch.nn.Module) -> int:
     for parent, name, child in swaps:
         setattr(parent, name, PackedLinear(child))
     return len(swaps)
+
+
+def _zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed tensor which, on CPU, asks Linux for 2 MiB pages before its memory is first touched: decode
+    attention reads each sequence's blocks scattered across the whole cache, and with 4 KiB pages
+    nearly every block costs a TLB miss."""
+    tensor = torch.empty(shape, dtype=dtype, device=device)
+    if device.type == "cpu":
+        huge = 2 * 2**20
+        start = -(-tensor.data_ptr() // huge) * huge
+        end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // huge * huge
+        if end > start:
+            try:
+                libc = ctypes.CDLL("libc.so.6", use_errno=True)
+                libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 14)  # MADV_HUGEPAGE
+            except OSError:
+                pass
+    return tensor.zero_()
 
 
 def _keep_freed_memory() -> None:

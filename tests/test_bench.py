@@ -1,0 +1,47 @@
+"""`bulkgen bench` runs each engine in its own process and reports one table, a JSON file and a plot."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from tests.helpers import invoke
+
+
+def test_bench_compares_engines_on_a_workload_file(tmp_path: Path, tiny_model_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    texts = [tok.apply_chat_template([{"role": "user", "content": f"Question {i}: " + "why? " * i}],
+                                     add_generation_prompt=True, tokenize=False) for i in range(6)]
+    workload = tmp_path / "w.parquet"
+    pq.write_table(pa.table({"id": [f"r{i}" for i in range(6)], "prompt": texts,
+                             "max_new_tokens": [5, 9, 3, 12, 7, 4]}), workload)
+    out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
+    result = invoke("bench", workload, "--model", tiny_model_dir, "--compare", "hf-static-sorted,bulkgen-store,vllm",
+                    "--kv-cache-memory", "8MiB", "--vllm-python", tmp_path / "no-such-python",
+                    "--json", out_json, "--plot", out_png)
+    assert "skipping vllm" in result.output
+    table = result.stdout
+    assert "out tok/s" in table and "bulkgen-store" in table
+    report = json.loads(out_json.read_text())
+    engines = {r["engine"]: r for r in report["results"]}
+    assert set(engines) == {"bulkgen", "hf-static-sorted", "bulkgen-store"}
+    for r in engines.values():
+        assert r["output_tok_per_s"] > 0 and r["identical_share"] == 1.0 and r["all_budgets_met"]
+    assert engines["bulkgen"]["preemptions"] == 0 and engines["bulkgen"]["padding_fraction"] == 0.0
+    assert engines["hf-static-sorted"]["padding_fraction"] > 0
+    assert report["workload"]["num_requests"] == 6 and report["workload"]["num_output_tokens"] == 40
+    assert out_png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_synthetic_and_bad_arguments(tmp_path: Path, tiny_model_dir: Path) -> None:
+    result = invoke("bench", "--synthetic", 3, "--model", tiny_model_dir, "--compare", "",
+                    "--kv-cache-memory", "8MiB", "--policy", "fifo")
+    assert "synthetic-3-seed0" in result.stdout and "bulkgen" in result.stdout
+    assert "give a workload file or --synthetic" in invoke("bench", expect=2).output
+    assert "unknown engine 'tgi'" in invoke("bench", "--synthetic", 2, "--model", tiny_model_dir,
+                                             "--compare", "tgi", expect=2).output
