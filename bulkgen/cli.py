@@ -351,8 +351,8 @@ def export(job_id: int, output: Path, include_inputs: bool, input_path: Path | N
               help="Budget for rows without a max_new_tokens column.")
 @click.option("--model", default=None, help="Alias, .gguf file or Hugging Face directory (default model if not given).")
 @click.option("--compare", default="hf-static-sorted", show_default=True,
-              help="Peers, comma-separated, each optionally @dtype: bulkgen-store, hf-static, hf-static-sorted, "
-                   "hf-cb, vllm. Peers that are not installed are skipped.")
+              help="Peers, comma-separated, each optionally @dtype (or, for bulkgen, @policy): bulkgen, "
+                   "bulkgen-store, hf-static, hf-static-sorted, hf-cb, vllm. Peers not installed are skipped.")
 @click.option("--policy", type=click.Choice(["lpt", "sorted", "fifo"]), default="lpt", show_default=True,
               help="bulkgen's packing policy.")
 @click.option("--kv-admission/--no-kv-admission", default=True, show_default=True,
@@ -364,10 +364,13 @@ def export(job_id: int, output: Path, include_inputs: bool, input_path: Path | N
 @click.option("--plot", "plot_path", type=click.Path(path_type=Path),
               help="Write a PNG of bulkgen's tokens per step and KV use over time.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the synthetic workload.")
+@click.option("--reference", help="Engine (as named in the table) whose tokens the others are compared with "
+                                  "(default: the first hf-* engine).")
 @engine_options
 def bench(workload: Path | None, synthetic: int | None, limit: int | None, chat: bool, max_new_tokens: int,
           model: str | None, compare: str, policy: str, kv_admission: bool, hf_batch_size: str,
-          vllm_python: str | None, json_path: Path | None, plot_path: Path | None, seed: int, **engine: Any) -> None:
+          vllm_python: str | None, json_path: Path | None, plot_path: Path | None, seed: int, reference: str | None,
+          **engine: Any) -> None:
     """Benchmark bulkgen against its peers on one workload, all in one run, and print one table.
 
     Every engine generates exactly each row's max_new_tokens greedily (EOS masked), each in its own
@@ -380,7 +383,8 @@ def bench(workload: Path | None, synthetic: int | None, limit: int | None, chat:
       python ../shared/bench/make_workload.py MODEL_DIR 256 w256.parquet 0
       bulkgen bench w256.parquet --compare hf-static-sorted,vllm --json w256.json --plot w256.png
       bulkgen bench w256.parquet --kv-cache-memory 368MiB --compare vllm
-      bulkgen bench --synthetic 32 --compare hf-static,bulkgen-store
+      bulkgen bench w256.parquet --dtype bfloat16 --compare bulkgen@float32,vllm --reference bulkgen@float32
+      bulkgen bench --synthetic 32 --compare bulkgen@fifo,hf-static,bulkgen-store
     """
     from bulkgen.bench import workload as wl
     from bulkgen.bench.run import BenchOptions, format_table, parse_engines, plot, run_bench, write_json
@@ -399,7 +403,7 @@ def bench(workload: Path | None, synthetic: int | None, limit: int | None, chat:
     config = build_engine_config(engine)
     engines = parse_engines(compare, config.dtype)
     vllm_blocks = None
-    if config.kv_cache_memory is not None and any(name == "vllm" for name, _ in engines):
+    if config.kv_cache_memory is not None and any(run.name == "vllm" for run in engines):
         from transformers import AutoConfig
 
         hf = AutoConfig.from_pretrained(resolved.path)
@@ -412,7 +416,7 @@ def bench(workload: Path | None, synthetic: int | None, limit: int | None, chat:
     options = BenchOptions(model_path=str(resolved.path), engines=engines, engine_config=asdict(config),
                            policy=policy, kv_admission=kv_admission,
                            hf_batch_sizes=[int(b) for b in hf_batch_size.split(",")], vllm_python=vllm_python,
-                           vllm_num_blocks=vllm_blocks, num_threads=config.num_threads)
+                           vllm_num_blocks=vllm_blocks, num_threads=config.num_threads, reference=reference)
     report = run_bench(data, options, log=lambda m: click.echo(m, err=True))
     d = report["workload"]
     click.echo(f"workload {d['name']}: {d['num_requests']} requests, {d['num_prompt_tokens']:,} prompt tokens "

@@ -25,10 +25,18 @@ VLLM_BLOCK_TOKENS = 128  # vLLM's KV block on its CPU backend
 TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 
 
+@dataclass(frozen=True)
+class EngineRun:
+    name: str  # one of ENGINES
+    dtype: str
+    policy: str | None = None  # bulkgen's packing policy, when it differs from the run's
+    label: str = ""  # as the user wrote it: bulkgen, vllm@bfloat16, bulkgen@fifo
+
+
 @dataclass
 class BenchOptions:
     model_path: str
-    engines: list[tuple[str, str]]  # (engine, dtype)
+    engines: list[EngineRun]
     engine_config: dict[str, Any]
     policy: str = "lpt"
     kv_admission: bool = True
@@ -37,21 +45,29 @@ class BenchOptions:
     vllm_num_blocks: int | None = None  # vLLM's KV cache in its 128-token CPU blocks (None: 4 GiB)
     num_threads: int | None = None
     timeout_s: float = 4 * 3600
+    reference: str | None = None  # label of the engine whose tokens the others are compared with
 
 
-def parse_engines(compare: str, dtype: str) -> list[tuple[str, str]]:
-    """'hf-static-sorted,vllm@bfloat16' → [('bulkgen', dtype), ('hf-static-sorted', dtype), ('vllm', 'bfloat16')]"""
-    engines = []
+def parse_engines(compare: str, dtype: str) -> list[EngineRun]:
+    """'hf-static-sorted,vllm@bfloat16,bulkgen@fifo' → bulkgen first, then each peer; a suffix after @ is
+    a dtype (float32, bfloat16, float16) or, for bulkgen, a packing policy (lpt, sorted, fifo)."""
+    from bulkgen.packing import POLICIES
+
+    runs = []
     for item in [c.strip() for c in compare.split(",") if c.strip()]:
-        name, _, engine_dtype = item.partition("@")
+        name, _, suffix = item.partition("@")
         if name not in ENGINES:
             raise ConfigError(f"unknown engine {name!r} in --compare; known: {', '.join(ENGINES)}")
-        if engine_dtype and engine_dtype not in ("float32", "bfloat16", "float16"):
-            raise ConfigError(f"unknown dtype {engine_dtype!r} in --compare {item!r}")
-        engines.append((name, engine_dtype or dtype))
-    if not any(name == "bulkgen" for name, _ in engines):
-        engines.insert(0, ("bulkgen", dtype))
-    return engines
+        if suffix in ("", "float32", "bfloat16", "float16"):
+            runs.append(EngineRun(name, suffix or dtype, None, item))
+        elif suffix in POLICIES and name.startswith("bulkgen"):
+            runs.append(EngineRun(name, dtype, suffix, item))
+        else:
+            raise ConfigError(f"cannot read {item!r} in --compare: after @ give a dtype, or for bulkgen a "
+                              f"packing policy ({', '.join(POLICIES)})")
+    if not any(r.label == "bulkgen" for r in runs):
+        runs.insert(0, EngineRun("bulkgen", dtype, None, "bulkgen"))
+    return runs
 
 
 def run_bench(workload: Workload, options: BenchOptions, log: Callable[[str], None]) -> dict[str, Any]:
@@ -59,14 +75,14 @@ def run_bench(workload: Workload, options: BenchOptions, log: Callable[[str], No
     with tempfile.TemporaryDirectory(prefix="bulkgen-bench-") as tmp:
         workload_path = Path(tmp) / "workload.json"
         workload.save(workload_path)
-        for name, dtype in options.engines:
-            label = name if dtype == options.engine_config["dtype"] else f"{name}@{dtype}"
+        for run in options.engines:
+            name, dtype, label = run.name, run.dtype, run.label
             command, env = _command(name, options)
             if command is None:
                 log(f"bench: skipping {label}: {env['why']}")
                 continue
             spec = {"engine": name, "model": options.model_path, "workload": str(workload_path), "dtype": dtype,
-                    "engine_config": {**options.engine_config, "dtype": dtype}, "policy": options.policy,
+                    "engine_config": {**options.engine_config, "dtype": dtype}, "policy": run.policy or options.policy,
                     "kv_admission": options.kv_admission, "hf_batch_sizes": options.hf_batch_sizes,
                     "num_threads": options.num_threads, "vllm_num_blocks": options.vllm_num_blocks}
             spec_path, out_path = Path(tmp) / f"{label}.spec.json", Path(tmp) / f"{label}.out.json"
@@ -81,7 +97,7 @@ def run_bench(workload: Workload, options: BenchOptions, log: Callable[[str], No
             raw["peak_memory_bytes"] = outcome["peak_rss"]
             results.append(_metrics(label, dtype, raw, workload))
             log(f"bench: {label}: {results[-1]['output_tok_per_s']:.1f} output tok/s")
-    _compare(results)
+    _compare(results, options.reference)
     return {"workload": workload.describe(), "model": options.model_path, "policy": options.policy,
             "engine_config": options.engine_config, "results": results}
 
@@ -155,10 +171,13 @@ def _metrics(label: str, dtype: str, raw: dict[str, Any], workload: Workload) ->
     }
 
 
-def _compare(results: list[dict[str, Any]]) -> None:
-    """Agreement with the Hugging Face reference (the first HF engine run) and ratios to bulkgen."""
+def _compare(results: list[dict[str, Any]], reference_label: str | None = None) -> None:
+    """Agreement with the reference (by default the first Hugging Face engine run) and ratios to bulkgen."""
     ok = [r for r in results if not r.get("error")]
-    reference = next((r for r in ok if r["engine"].startswith("hf-")), None)
+    if reference_label:
+        reference = next((r for r in ok if r["engine"] == reference_label), None)
+    else:
+        reference = next((r for r in ok if r["engine"].startswith("hf-")), None)
     base = next((r for r in ok if r["engine"] == "bulkgen"), None)
     for r in ok:
         if reference is not None:

@@ -9,9 +9,10 @@
  *   block_tables     [num_seqs, block_table_stride]                    int32
  *   context_lens     [num_seqs]                                        int32 (tokens to attend to, >= 1)
  *
- * Work item: one (sequence, KV head) pair, which serves its whole group of query heads, so each key
- * and value row is read from memory once per step. Two passes: scores over K, then the weighted sum
- * over V, block by block so a block's rows are still in L1 when the group's heads reuse them.
+ * Work item: one sequence, all of its heads. Each KV head serves its whole group of query heads, so
+ * each key and value row is read from memory once per step; and a block's K part (all KV heads) is
+ * one contiguous run, read in order (about a quarter faster than one work item per KV head, whose
+ * runs are a third as long). Two passes: scores over K, then the weighted sum over V.
  * Head dims 64 and 128 get vectorised versions (GCC vector extensions: AVX-512, AVX2 or whatever
  * -march=native offers); other head dims take a plain loop.
  */
@@ -21,6 +22,7 @@
 #include <string.h>
 
 #define MAX_GROUP 64
+#define MAX_HEADS 256
 #ifndef PREFETCH_BLOCKS
 #define PREFETCH_BLOCKS 2  /* how far ahead the next blocks are prefetched */
 #endif
@@ -124,134 +126,135 @@ static void softmax_rows(float *scores, float *inv_sums, int group, int ctx) {
     }
 }
 
-/* One (sequence, KV head) work item with head_dim HD a multiple of 16. */
-#define DEFINE_ITEM_VEC(NAME, T, VLOAD, HD)                                                             \
+/* One sequence, all heads, head_dim HD a multiple of 16. scores: [num_heads, ctx]. */
+#define DEFINE_SEQ_VEC(NAME, T, VLOAD, HD)                                                              \
 static void NAME(const float *qs, const T *k_cache, const T *v_cache, const int32_t *table, int ctx,   \
-                 float *os, float *scores, int group, int kh, int64_t head_stride, int64_t block_stride,  \
-                 int block_size, float scale) {                                                         \
+                 float *os, float *scores, int group, int num_kv_heads, int64_t head_stride,            \
+                 int64_t block_stride, int block_size, float scale) {                                   \
     enum { C = (HD) / 16 };                                                                             \
-    vf16 q[MAX_GROUP][C];                                                                               \
-    for (int g = 0; g < group; g++)                                                                     \
-        for (int c = 0; c < C; c++) q[g][c] = vload_f32(qs + (int64_t)g * (HD) + 16 * c) * scale;       \
+    const int num_heads = group * num_kv_heads;                                                         \
     for (int t0 = 0; t0 < ctx; t0 += block_size) {                                                      \
-        const T *kb = k_cache + (int64_t)table[t0 / block_size] * block_stride + (int64_t)kh * head_stride;\
+        const T *kb0 = k_cache + (int64_t)table[t0 / block_size] * block_stride;                        \
         const int n = ctx - t0 < block_size ? ctx - t0 : block_size;                                    \
-        const T *next = t0 + PREFETCH_BLOCKS * block_size < ctx                                         \
-            ? k_cache + (int64_t)table[t0 / block_size + PREFETCH_BLOCKS] * block_stride                \
-              + (int64_t)kh * head_stride                                                               \
-            : NULL;                                                                                     \
-        for (int j = 0; j < n; j++) {                                                                   \
-            if (next != NULL)                                                                           \
-                for (int c = 0; c < (int)(sizeof(T) * (HD)); c += 64)                                   \
-                    __builtin_prefetch((const char *)(next + j * (HD)) + c);                            \
-            vf16 k[C];                                                                                  \
-            for (int c = 0; c < C; c++) k[c] = VLOAD(kb + j * (HD) + 16 * c);                     \
-            for (int g = 0; g < group; g++) {                                                           \
-                vf16 acc = q[g][0] * k[0];                                                              \
-                for (int c = 1; c < C; c++) acc += q[g][c] * k[c];                                      \
-                scores[(int64_t)g * ctx + t0 + j] = hsum(acc);                                          \
+        if (t0 + PREFETCH_BLOCKS * block_size < ctx) {                                                  \
+            const char *next = (const char *)(k_cache                                                   \
+                + (int64_t)table[t0 / block_size + PREFETCH_BLOCKS] * block_stride);                    \
+            for (int c = 0; c < (int)(sizeof(T) * block_stride); c += 64) __builtin_prefetch(next + c); \
+        }                                                                                               \
+        for (int kh = 0; kh < num_kv_heads; kh++) {                                                     \
+            const T *kb = kb0 + (int64_t)kh * head_stride;                                              \
+            vf16 q[MAX_GROUP][C];                                                                       \
+            for (int g = 0; g < group; g++)                                                             \
+                for (int c = 0; c < C; c++)                                                             \
+                    q[g][c] = vload_f32(qs + (int64_t)(kh * group + g) * (HD) + 16 * c) * scale;        \
+            for (int j = 0; j < n; j++) {                                                               \
+                vf16 k[C];                                                                              \
+                for (int c = 0; c < C; c++) k[c] = VLOAD(kb + j * (HD) + 16 * c);                       \
+                for (int g = 0; g < group; g++) {                                                       \
+                    vf16 acc = q[g][0] * k[0];                                                          \
+                    for (int c = 1; c < C; c++) acc += q[g][c] * k[c];                                  \
+                    scores[(int64_t)(kh * group + g) * ctx + t0 + j] = hsum(acc);                       \
+                }                                                                                       \
             }                                                                                           \
         }                                                                                               \
     }                                                                                                   \
-    float inv_sums[MAX_GROUP];                                                                          \
-    softmax_rows(scores, inv_sums, group, ctx);                                                         \
+    float inv_sums[MAX_HEADS];                                                                          \
+    softmax_rows(scores, inv_sums, num_heads, ctx);                                                     \
     vf16 zero = {0};                                                                                    \
-    for (int g = 0; g < group; g++)                                                                     \
-        for (int c = 0; c < C; c++) memcpy(os + (int64_t)g * (HD) + 16 * c, &zero, sizeof zero);        \
+    for (int h = 0; h < num_heads; h++)                                                                 \
+        for (int c = 0; c < C; c++) memcpy(os + (int64_t)h * (HD) + 16 * c, &zero, sizeof zero);        \
     for (int t0 = 0; t0 < ctx; t0 += block_size) {                                                      \
-        const T *vb = v_cache + (int64_t)table[t0 / block_size] * block_stride + (int64_t)kh * head_stride;\
+        const T *vb0 = v_cache + (int64_t)table[t0 / block_size] * block_stride;                        \
         const int n = ctx - t0 < block_size ? ctx - t0 : block_size;                                    \
         if (t0 + PREFETCH_BLOCKS * block_size < ctx) {                                                  \
-            const char *next = (const char *)(v_cache + (int64_t)table[t0 / block_size + PREFETCH_BLOCKS] * block_stride \
-                                              + (int64_t)kh * head_stride);                             \
-            for (int c = 0; c < (int)(sizeof(T) * (HD)) * block_size; c += 64) __builtin_prefetch(next + c); \
+            const char *next = (const char *)(v_cache                                                   \
+                + (int64_t)table[t0 / block_size + PREFETCH_BLOCKS] * block_stride);                    \
+            for (int c = 0; c < (int)(sizeof(T) * block_stride); c += 64) __builtin_prefetch(next + c); \
         }                                                                                               \
-        for (int g = 0; g < group; g++) {                                                               \
-            const float *p = scores + (int64_t)g * ctx + t0;                                            \
-            float *og = os + (int64_t)g * (HD);                                                         \
+        for (int h = 0; h < num_heads; h++) {                                                           \
+            const T *vb = vb0 + (int64_t)(h / group) * head_stride;                                     \
+            const float *p = scores + (int64_t)h * ctx + t0;                                            \
+            float *og = os + (int64_t)h * (HD);                                                         \
             vf16 acc[C];                                                                                \
             for (int c = 0; c < C; c++) acc[c] = vload_f32(og + 16 * c);                                \
             for (int j = 0; j < n; j++)                                                                 \
-                for (int c = 0; c < C; c++) acc[c] += p[j] * VLOAD(vb + j * (HD) + 16 * c);       \
+                for (int c = 0; c < C; c++) acc[c] += p[j] * VLOAD(vb + j * (HD) + 16 * c);             \
             for (int c = 0; c < C; c++) memcpy(og + 16 * c, &acc[c], sizeof acc[c]);                    \
         }                                                                                               \
     }                                                                                                   \
-    for (int g = 0; g < group; g++)                                                                     \
-        for (int i = 0; i < (HD); i++) os[(int64_t)g * (HD) + i] *= inv_sums[g];                        \
+    for (int h = 0; h < num_heads; h++)                                                                 \
+        for (int i = 0; i < (HD); i++) os[(int64_t)h * (HD) + i] *= inv_sums[h];                        \
 }
 
-/* Any head_dim: plain loops. */
-#define DEFINE_ITEM_SCALAR(NAME, T, SLOAD)                                                              \
+/* Any head_dim: plain loops, one sequence, all heads. */
+#define DEFINE_SEQ_SCALAR(NAME, T, SLOAD)                                                               \
 static void NAME(const float *qs, const T *k_cache, const T *v_cache, const int32_t *table, int ctx,   \
-                 float *os, float *scores, int group, int kh, int64_t head_stride, int64_t block_stride,  \
-                 int block_size, float scale, int head_dim) {                                           \
-    for (int t = 0; t < ctx; t++) {                                                                     \
-        const T *kr = k_cache + (int64_t)table[t / block_size] * block_stride                           \
-                      + (int64_t)kh * head_stride + (t % block_size) * head_dim;                        \
-        for (int g = 0; g < group; g++) {                                                               \
+                 float *os, float *scores, int group, int num_kv_heads, int64_t head_stride,            \
+                 int64_t block_stride, int block_size, float scale, int head_dim) {                     \
+    const int num_heads = group * num_kv_heads;                                                         \
+    for (int h = 0; h < num_heads; h++) {                                                               \
+        for (int t = 0; t < ctx; t++) {                                                                 \
+            const T *kr = k_cache + (int64_t)table[t / block_size] * block_stride                       \
+                          + (int64_t)(h / group) * head_stride + (t % block_size) * head_dim;           \
             float acc = 0.0f;                                                                           \
-            for (int i = 0; i < head_dim; i++) acc += qs[(int64_t)g * head_dim + i] * SLOAD(kr, i);     \
-            scores[(int64_t)g * ctx + t] = acc * scale;                                                 \
+            for (int i = 0; i < head_dim; i++) acc += qs[(int64_t)h * head_dim + i] * SLOAD(kr, i);     \
+            scores[(int64_t)h * ctx + t] = acc * scale;                                                 \
         }                                                                                               \
     }                                                                                                   \
-    float inv_sums[MAX_GROUP];                                                                          \
-    softmax_rows(scores, inv_sums, group, ctx);                                                         \
-    memset(os, 0, sizeof(float) * (size_t)group * head_dim);                                            \
-    for (int t = 0; t < ctx; t++) {                                                                     \
-        const T *vr = v_cache + (int64_t)table[t / block_size] * block_stride                           \
-                      + (int64_t)kh * head_stride + (t % block_size) * head_dim;                        \
-        for (int g = 0; g < group; g++)                                                                 \
-            for (int i = 0; i < head_dim; i++)                                                          \
-                os[(int64_t)g * head_dim + i] += scores[(int64_t)g * ctx + t] * SLOAD(vr, i);           \
+    float inv_sums[MAX_HEADS];                                                                          \
+    softmax_rows(scores, inv_sums, num_heads, ctx);                                                     \
+    memset(os, 0, sizeof(float) * (size_t)num_heads * head_dim);                                       \
+    for (int h = 0; h < num_heads; h++) {                                                               \
+        for (int t = 0; t < ctx; t++) {                                                                 \
+            const T *vr = v_cache + (int64_t)table[t / block_size] * block_stride                       \
+                          + (int64_t)(h / group) * head_stride + (t % block_size) * head_dim;           \
+            const float p = scores[(int64_t)h * ctx + t] * inv_sums[h];                                 \
+            for (int i = 0; i < head_dim; i++) os[(int64_t)h * head_dim + i] += p * SLOAD(vr, i);       \
+        }                                                                                               \
     }                                                                                                   \
-    for (int g = 0; g < group; g++)                                                                     \
-        for (int i = 0; i < head_dim; i++) os[(int64_t)g * head_dim + i] *= inv_sums[g];                \
 }
 
-#define DEFINE_PAGED_DECODE(NAME, T, ITEM64, ITEM128, ITEM_ANY)                                         \
+#define DEFINE_PAGED_DECODE(NAME, T, SEQ64, SEQ128, SEQ_ANY)                                            \
 int NAME(const float *q, const T *k_cache, const T *v_cache, const int32_t *block_tables,              \
          int64_t block_table_stride, const int32_t *context_lens, float *out, int num_seqs,             \
          int num_heads, int num_kv_heads, int head_dim, int block_size, int max_context_len,            \
          float scale, int num_threads) {                                                                \
     const int group = num_heads / num_kv_heads;                                                         \
-    if (group > MAX_GROUP || group * num_kv_heads != num_heads) return 2;                               \
+    if (group > MAX_GROUP || num_heads > MAX_HEADS || group * num_kv_heads != num_heads) return 2;      \
     const int64_t head_stride = (int64_t)block_size * head_dim;                                         \
     const int64_t block_stride = (int64_t)num_kv_heads * head_stride;                                   \
     int failed = 0;                                                                                     \
     _Pragma("omp parallel num_threads(num_threads)")                                                    \
     {                                                                                                   \
-        float *scores = malloc(sizeof(float) * (size_t)group * (size_t)max_context_len);                \
+        float *scores = malloc(sizeof(float) * (size_t)num_heads * (size_t)max_context_len);            \
         if (scores == NULL) failed = 1;                                                                 \
-        _Pragma("omp for collapse(2) schedule(dynamic, 1)")                                             \
+        _Pragma("omp for schedule(dynamic, 1)")                                                         \
         for (int s = 0; s < num_seqs; s++) {                                                            \
-            for (int kh = 0; kh < num_kv_heads; kh++) {                                                 \
-                if (scores == NULL) continue;                                                           \
-                const int32_t *table = block_tables + (int64_t)s * block_table_stride;                  \
-                const int64_t first = (int64_t)s * num_heads + (int64_t)kh * group;                     \
-                const float *qs = q + first * head_dim;                                                 \
-                float *os = out + first * head_dim;                                                     \
-                if (head_dim == 64)                                                                     \
-                    ITEM64(qs, k_cache, v_cache, table, context_lens[s], os, scores, group, kh,         \
-                           head_stride, block_stride, block_size, scale);                                \
-                else if (head_dim == 128)                                                               \
-                    ITEM128(qs, k_cache, v_cache, table, context_lens[s], os, scores, group, kh,        \
-                            head_stride, block_stride, block_size, scale);                               \
-                else                                                                                    \
-                    ITEM_ANY(qs, k_cache, v_cache, table, context_lens[s], os, scores, group, kh,       \
-                             head_stride, block_stride, block_size, scale, head_dim);                    \
-            }                                                                                           \
+            if (scores == NULL) continue;                                                               \
+            const int32_t *table = block_tables + (int64_t)s * block_table_stride;                      \
+            const float *qs = q + (int64_t)s * num_heads * head_dim;                                    \
+            float *os = out + (int64_t)s * num_heads * head_dim;                                        \
+            if (head_dim == 64)                                                                         \
+                SEQ64(qs, k_cache, v_cache, table, context_lens[s], os, scores, group, num_kv_heads,    \
+                      head_stride, block_stride, block_size, scale);                                    \
+            else if (head_dim == 128)                                                                   \
+                SEQ128(qs, k_cache, v_cache, table, context_lens[s], os, scores, group, num_kv_heads,   \
+                       head_stride, block_stride, block_size, scale);                                   \
+            else                                                                                        \
+                SEQ_ANY(qs, k_cache, v_cache, table, context_lens[s], os, scores, group, num_kv_heads,  \
+                        head_stride, block_stride, block_size, scale, head_dim);                        \
         }                                                                                               \
         free(scores);                                                                                   \
     }                                                                                                   \
     return failed;                                                                                      \
 }
 
-DEFINE_ITEM_VEC(item64_f32, float, vload_f32, 64)
-DEFINE_ITEM_VEC(item128_f32, float, vload_f32, 128)
-DEFINE_ITEM_SCALAR(item_any_f32, float, sload_f32)
-DEFINE_ITEM_VEC(item64_bf16, uint16_t, vload_bf16, 64)
-DEFINE_ITEM_VEC(item128_bf16, uint16_t, vload_bf16, 128)
-DEFINE_ITEM_SCALAR(item_any_bf16, uint16_t, sload_bf16)
+DEFINE_SEQ_VEC(seq64_f32, float, vload_f32, 64)
+DEFINE_SEQ_VEC(seq128_f32, float, vload_f32, 128)
+DEFINE_SEQ_SCALAR(seq_any_f32, float, sload_f32)
+DEFINE_SEQ_VEC(seq64_bf16, uint16_t, vload_bf16, 64)
+DEFINE_SEQ_VEC(seq128_bf16, uint16_t, vload_bf16, 128)
+DEFINE_SEQ_SCALAR(seq_any_bf16, uint16_t, sload_bf16)
 
-DEFINE_PAGED_DECODE(paged_decode_f32, float, item64_f32, item128_f32, item_any_f32)
-DEFINE_PAGED_DECODE(paged_decode_bf16, uint16_t, item64_bf16, item128_bf16, item_any_bf16)
+DEFINE_PAGED_DECODE(paged_decode_f32, float, seq64_f32, seq128_f32, seq_any_f32)
+DEFINE_PAGED_DECODE(paged_decode_bf16, uint16_t, seq64_bf16, seq128_bf16, seq_any_bf16)
