@@ -12,7 +12,9 @@ idles a machine). Started first, the short ones fill in around it.
 Admission. A request is admitted only if the KV cache can hold it *until the end*: the projected
 peak KV use of the running sequences plus the candidate (each growing one token a step until its
 expected output length, then freeing its blocks) stays within the cache. So the cache stays full
-without preemption, the work that preemption throws away. The expected output length is
+without preemption, the work that preemption throws away. When the next request in order does not
+fit, the scheduler looks further down the queue (`lookahead`) for one that does: a short request
+fills the room a long one leaves until it needs it. The expected output length is
 `max_new_tokens` at first (exact when EOS is ignored, as in benchmarks) and then scaled by the
 share of their budget that finished requests actually used.
 
@@ -61,6 +63,7 @@ class KVAdmission:
     num_blocks: int
     block_size: int
     watermark: float = 0.0  # share of blocks kept free for safety (0: plan to the last block)
+    lookahead: int = 64  # how far down the waiting queue the scheduler looks for a request that fits
     output_share: float = 1.0  # expected output / max_new_tokens, learned from finished requests
     _finished_budget: int = 0
     _finished_output: int = 0

@@ -54,8 +54,19 @@ def test_kv_admission_holds_back_what_would_need_preemption() -> None:
         sched.add(s)
     out = sched.schedule()
     # a alone ends at 40 tokens; a and b together would end at 80 tokens + margin > 80: b waits.
-    # The blocks are there now (5 + 5 of 20), but b would force a preemption later.
-    assert [s.seq.request_id for s in out.scheduled] == [1]
+    # The blocks are there now (5 + 5 of 20), but b would force a preemption later. c, small and
+    # short, fits beside a: the scheduler looks past b for it.
+    assert [s.seq.request_id for s in out.scheduled] == [1, 3]
+    assert [s.request_id for s in sched.waiting] == [2]
+
+
+def test_strict_order_without_lookahead() -> None:
+    bm = BlockManager(num_blocks=20, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=256,
+                      admission=KVAdmission(20, 4, lookahead=1))
+    for s in (_seq(1, 20, 20), _seq(2, 20, 20), _seq(3, 4, 4)):
+        sched.add(s)
+    assert [s.seq.request_id for s in sched.schedule().scheduled] == [1]
     assert [s.request_id for s in sched.waiting] == [2, 3]
 
 

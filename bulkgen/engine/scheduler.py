@@ -90,15 +90,23 @@ class Scheduler:
                 i += 1
         if out.preempted:
             return out
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        # Strict order by default (vLLM's): admission stops at the first sequence that does not fit. An
+        # admission policy may look further down the queue (first fit), so that one large request
+        # does not hold back smaller ones the cache can take now.
+        lookahead = getattr(self.admission, "lookahead", 1) if self.admission is not None else 1
+        i = skipped = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[i]
             cached = bm.find_cached_prefix(seq)
             num_new = min(seq.num_tokens - len(cached) * bm.block_size, budget)
-            if not bm.can_allocate(seq, num_new, cached):
-                break
-            if self.admission is not None and not self.admission.can_admit(seq, self.running):
-                break
-            self.waiting.popleft()
+            if not bm.can_allocate(seq, num_new, cached) or (
+                    self.admission is not None and not self.admission.can_admit(seq, self.running)):
+                skipped += 1
+                if skipped >= lookahead:
+                    break
+                i += 1
+                continue
+            del self.waiting[i]
             bm.allocate(seq, num_new, cached)
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = seq.num_computed_tokens
