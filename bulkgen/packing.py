@@ -13,8 +13,9 @@ Admission. A request is admitted only if the KV cache can hold it *until the end
 peak KV use of the running sequences plus the candidate (each growing one token a step until its
 expected output length, then freeing its blocks) stays within the cache. So the cache stays full
 without preemption, the work that preemption throws away. When the next request in order does not
-fit, the scheduler looks further down the queue (`lookahead`) for one that does: a short request
-fills the room a long one leaves until it needs it. The expected output length is
+fit, the scheduler backfills (as EASY backfilling does for batch jobs): it looks further down the
+queue (`lookahead`) for requests that fit now *and* will have finished by the time the blocked one
+can start, so short requests fill the room without ever delaying the long one (and the tail). The expected output length is
 `max_new_tokens` at first (exact when EOS is ignored, as in benchmarks) and then scaled by the
 share of their budget that finished requests actually used.
 
@@ -76,6 +77,20 @@ class KVAdmission:
         loads = [(s.num_tokens, self._remaining(s)) for s in running]
         loads.append((candidate.num_tokens, self._remaining(candidate)))
         return peak_blocks(loads, self.block_size) <= capacity
+
+    def earliest_start(self, blocked: Any, running: list[Any]) -> int:
+        """Steps until `blocked` fits beside what is still running then (EASY backfilling's reservation)."""
+        capacity = self.num_blocks * (1 - self.watermark)
+        loads = sorted(((s.num_tokens, self._remaining(s)) for s in running), key=lambda load: load[1])
+        head = (blocked.num_tokens, self._remaining(blocked))
+        for step in sorted({0, *(remaining for _, remaining in loads)}):
+            later = [(now + step, remaining - step) for now, remaining in loads if remaining > step]
+            if peak_blocks([*later, head], self.block_size) <= capacity:
+                return step
+        return loads[-1][1] if loads else 0
+
+    def remaining_steps(self, seq: Any) -> int:
+        return self._remaining(seq) + 1
 
     def observe_finished(self, num_output_tokens: int, max_new_tokens: int, ignore_eos: bool) -> None:
         if ignore_eos:

@@ -36,6 +36,12 @@ class AdmissionPolicy(Protocol):
 
     def can_admit(self, candidate: Sequence, running: list[Sequence]) -> bool: ...
 
+    def earliest_start(self, blocked: Sequence, running: list[Sequence]) -> int:
+        """Steps until `blocked` could be admitted, as the running sequences finish."""
+        ...
+
+    def remaining_steps(self, seq: Sequence) -> int: ...
+
     def observe_finished(self, num_output_tokens: int, max_new_tokens: int, ignore_eos: bool) -> None: ...
 
 
@@ -90,20 +96,25 @@ class Scheduler:
                 i += 1
         if out.preempted:
             return out
-        # Strict order by default (vLLM's): admission stops at the first sequence that does not fit. An
-        # admission policy may look further down the queue (first fit), so that one large request
-        # does not hold back smaller ones the cache can take now.
+        # Strict order by default (vLLM's): admission stops at the first sequence that does not fit.
+        # An admission policy may backfill: look further down the queue for sequences that fit now
+        # and will have finished by the time the first one can start, so they never delay it.
         lookahead = getattr(self.admission, "lookahead", 1) if self.admission is not None else 1
-        i = skipped = 0
+        i = 0
+        horizon: int | None = None  # steps until the blocked head of the queue can start
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[i]
             cached = bm.find_cached_prefix(seq)
             num_new = min(seq.num_tokens - len(cached) * bm.block_size, budget)
-            if not bm.can_allocate(seq, num_new, cached) or (
-                    self.admission is not None and not self.admission.can_admit(seq, self.running)):
-                skipped += 1
-                if skipped >= lookahead:
+            fits = bm.can_allocate(seq, num_new, cached) and (
+                self.admission is None or self.admission.can_admit(seq, self.running))
+            if fits and horizon is not None:
+                fits = self.admission.remaining_steps(seq) < horizon
+            if not fits:
+                if i + 1 >= lookahead:
                     break
+                if horizon is None:
+                    horizon = self.admission.earliest_start(seq, self.running)
                 i += 1
                 continue
             del self.waiting[i]
