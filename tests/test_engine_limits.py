@@ -99,3 +99,13 @@ def test_ten_times_oversubscribed_cache_completes_within_its_budget(tiny_model_d
     ample = Engine(tiny_model_dir, EngineConfig(kv_cache_memory=64 * 2**20))
     reference = {o.request_id: o.output_token_ids for o in ample.generate(prompts, params)}
     assert all(o.output_token_ids == reference[o.request_id] for o in outputs)
+
+
+def test_a_kv_cache_larger_than_free_memory_is_refused(tiny_model_dir: Path) -> None:
+    import psutil
+
+    from bulkgen.errors import ConfigError
+
+    too_big = psutil.virtual_memory().total * 2
+    with pytest.raises(ConfigError, match="does not fit.*lower --kv-cache-memory"):
+        Engine(tiny_model_dir, EngineConfig(kv_cache_memory=too_big))

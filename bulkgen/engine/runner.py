@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_DEFAULT_KV_BYTES = 4 * 2**30
 MIN_KV_BLOCKS = 4
+CPU_HEADROOM_BYTES = 1 * 2**30  # activations of a 1k-token step, Python, libraries
 
 
 class ModelRunner:
@@ -139,6 +140,13 @@ class ModelRunner:
 
     def _kv_budget(self) -> int:
         if self.config.kv_cache_memory is not None:
+            if self.device.type == "cpu":
+                available = psutil.virtual_memory().available
+                if self.config.kv_cache_memory > available - CPU_HEADROOM_BYTES:
+                    raise ConfigError(
+                        f"a KV cache of {format_size(self.config.kv_cache_memory)} does not fit: with the model "
+                        f"loaded, {format_size(available)} of memory is free, and activations need about "
+                        f"{format_size(CPU_HEADROOM_BYTES)} more; lower --kv-cache-memory")
             return self.config.kv_cache_memory
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
