@@ -5,24 +5,49 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bulkgen.engine.attention import AttentionMetadata, _decode_kernel, decode_torch
+from bulkgen.engine.attention import AttentionMetadata, _decode_kernel, decode_torch, write_kv
 from bulkgen.engine.kernels import load_paged_attention
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_dim", [16, 64, 128])
-@pytest.mark.parametrize("group", [1, 3])
-def test_kernel_matches_torch(dtype: torch.dtype, head_dim: int, group: int) -> None:
+def _kernel():
     kernel = load_paged_attention()
     assert kernel is not None, "the kernel builds wherever gcc is present (CI has it)"
-    torch.manual_seed(head_dim + group)
-    num_blocks, kv_heads, block_size, seqs = 64, 2, 8, 5
-    k = torch.randn(num_blocks, kv_heads, block_size, head_dim).to(dtype)
+    return kernel
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim,block_size", [(16, 8), (64, 8), (64, 16), (64, 32), (128, 16), (96, 16)])
+@pytest.mark.parametrize("group", [1, 3])
+def test_kernel_matches_torch(dtype: torch.dtype, head_dim: int, block_size: int, group: int) -> None:
+    """Vectorised paths (head_dim 64/128, blocks a multiple of 16) and the plain loop (the rest)."""
+    torch.manual_seed(head_dim + group + block_size)
+    num_blocks, kv_heads, seqs = 64, 2, 5
+    k = torch.randn(num_blocks, kv_heads, head_dim, block_size).to(dtype)  # K transposed in its block
     v = torch.randn(num_blocks, kv_heads, block_size, head_dim).to(dtype)
     tables = torch.randperm(num_blocks)[:seqs * 6].view(seqs, 6).int()
-    lens = torch.tensor([1, 7, 8, 33, 48], dtype=torch.int32)
+    lens = torch.tensor([1, 7, block_size, 2 * block_size + 1, 6 * block_size], dtype=torch.int32)
     q = torch.randn(seqs, kv_heads * group, head_dim).to(dtype)
-    meta = AttentionMetadata([k], [v], None, None, seqs, tables, lens, int(lens.max()), [], kernel, 2)
+    meta = AttentionMetadata([k], [v], None, None, None, seqs, tables, lens, int(lens.max()), [], _kernel(), 2)
     got = _decode_kernel(meta, q, k, v, head_dim**-0.5).float()
     want = decode_torch(q.float(), k.float(), v.float(), tables, lens, head_dim**-0.5)
     assert torch.allclose(got, want, atol=2e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_write_matches_torch(dtype: torch.dtype) -> None:
+    """The C write of new K/V (K transposed) puts every value where torch's indexing does."""
+    num_blocks, kv_heads, block_size, head_dim, tokens = 8, 3, 16, 64, 21
+    slots = torch.randperm(num_blocks * block_size)[:tokens]
+    # Like Hugging Face's keys after RoPE: a transposed view, head_dim contiguous.
+    key = torch.randn(kv_heads, tokens, head_dim).to(dtype).transpose(0, 1)
+    value = torch.randn(tokens, kv_heads, head_dim).to(dtype)
+    caches = []
+    for kernel in (_kernel(), None):
+        k = torch.zeros(num_blocks, kv_heads, head_dim, block_size, dtype=dtype)
+        v = torch.zeros(num_blocks, kv_heads, block_size, head_dim, dtype=dtype)
+        meta = AttentionMetadata([k], [v], slots, slots // block_size, slots % block_size, 0, None, None, 0, [], kernel)
+        write_kv(meta, key, value, k, v)
+        caches.append((k, v))
+    (k_c, v_c), (k_t, v_t) = caches
+    assert torch.equal(k_c, k_t) and torch.equal(v_c, v_t)
+    assert torch.equal(k_t[slots // block_size, :, :, slots % block_size], key)

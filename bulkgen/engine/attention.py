@@ -34,8 +34,9 @@ class PrefillChunk:
 class AttentionMetadata:
     """What every layer's attention needs for one step (built once per step by the runner)."""
 
-    k_caches: list[torch.Tensor]  # per layer: [num_blocks, num_kv_heads, block_size, head_dim]
-    v_caches: list[torch.Tensor]
+    k_caches: list[torch.Tensor]  # per layer: [num_blocks, num_kv_heads, head_dim, block_size] (transposed)
+    v_caches: list[torch.Tensor]  # per layer: [num_blocks, num_kv_heads, block_size, head_dim]
+    slots: torch.Tensor  # [num_tokens] int64: block * block_size + row of each new token's K/V
     slot_blocks: torch.Tensor  # [num_tokens] int64: the block of each new token's K/V
     slot_offsets: torch.Tensor  # [num_tokens] int64: its row within the block
     num_decode_tokens: int  # the first tokens of the batch, one per decoding sequence
@@ -57,9 +58,7 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     # key, value: [1, num_kv_heads, num_tokens, head_dim]
     scale = scaling if scaling is not None else head_dim**-0.5
 
-    # Head-major blocks: cache[block, :, row] is one token's [num_kv_heads, head_dim].
-    k_cache[meta.slot_blocks, :, meta.slot_offsets] = key[0].transpose(0, 1)
-    v_cache[meta.slot_blocks, :, meta.slot_offsets] = value[0].transpose(0, 1)
+    write_kv(meta, key[0].transpose(0, 1), value[0].transpose(0, 1), k_cache, v_cache)
 
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype, device=query.device)
     num_decodes = meta.num_decode_tokens
@@ -78,21 +77,35 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                                                scale=scale, enable_gqa=True)
         else:
             # [ctx, kv_heads, d] gathered from the blocks -> [1, kv_heads, ctx, d]
-            k = k_cache[chunk.context_blocks, :, chunk.context_offsets].transpose(0, 1).unsqueeze(0)
+            k = k_cache[chunk.context_blocks, :, :, chunk.context_offsets].transpose(0, 1).unsqueeze(0)
             v = v_cache[chunk.context_blocks, :, chunk.context_offsets].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=chunk.mask, scale=scale, enable_gqa=True)
         out[span] = o[0].transpose(0, 1)
     return out.unsqueeze(0), None  # [1, num_tokens, num_heads, head_dim]
 
 
+def write_kv(meta: AttentionMetadata, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+             v_cache: torch.Tensor) -> None:
+    """Store the step's new keys and values ([num_tokens, num_kv_heads, head_dim] each) in their slots."""
+    if meta.kernel is not None and key.stride(-1) == 1 and value.stride(-1) == 1:
+        num_tokens, num_kv_heads, head_dim = key.shape
+        function = meta.kernel.write_kv_4 if key.element_size() == 4 else meta.kernel.write_kv_2
+        function(key.data_ptr(), value.data_ptr(), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+                 meta.slots.data_ptr(), num_tokens, k_cache.data_ptr(), v_cache.data_ptr(), num_kv_heads, head_dim,
+                 v_cache.shape[2])
+        return
+    k_cache[meta.slot_blocks, :, :, meta.slot_offsets] = key
+    v_cache[meta.slot_blocks, :, meta.slot_offsets] = value
+
+
 def decode_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """Reference decode attention in plain torch: gathers each sequence's blocks, then one masked SDPA."""
     num_seqs, max_blocks = block_tables.shape
-    _, num_kv_heads, block_size, head_dim = k_cache.shape
+    _, num_kv_heads, block_size, head_dim = v_cache.shape
     index = block_tables.long()
     # [seqs, blocks, kv_heads, block_size, d] -> [seqs, kv_heads, blocks * block_size, d]
-    k = k_cache[index].transpose(1, 2).reshape(num_seqs, num_kv_heads, max_blocks * block_size, head_dim)
+    k = k_cache[index].permute(0, 2, 1, 4, 3).reshape(num_seqs, num_kv_heads, max_blocks * block_size, head_dim)
     v = v_cache[index].transpose(1, 2).reshape(num_seqs, num_kv_heads, max_blocks * block_size, head_dim)
     positions = torch.arange(max_blocks * block_size, device=q.device)
     mask = (positions[None, :] < context_lens[:, None].to(q.device))[:, None, None, :]  # [seqs, 1, 1, ctx]
@@ -105,7 +118,7 @@ def _decode_kernel(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tens
     q32 = q.to(torch.float32).contiguous()
     out = torch.empty_like(q32)
     num_seqs, num_heads, head_dim = q32.shape
-    _, num_kv_heads, block_size, _ = k_cache.shape
+    _, num_kv_heads, block_size, _ = v_cache.shape
     function = meta.kernel.paged_decode_f32 if k_cache.dtype == torch.float32 else meta.kernel.paged_decode_bf16
     tables = meta.decode_block_tables
     failed = function(q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.stride(0),

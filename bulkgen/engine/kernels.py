@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 _ARGS = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int] * 6 \
     + [ctypes.c_float, ctypes.c_int]
+_WRITE_ARGS = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 4 + [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 2 \
+    + [ctypes.c_int] * 3
 
 
 @cache
@@ -52,6 +54,10 @@ def load_paged_attention() -> ctypes.CDLL | None:
         function = getattr(lib, name)
         function.argtypes = _ARGS
         function.restype = ctypes.c_int
+    for name in ("write_kv_4", "write_kv_2"):
+        function = getattr(lib, name)
+        function.argtypes = _WRITE_ARGS
+        function.restype = None
     return lib
 
 

@@ -57,11 +57,12 @@ class ModelRunner:
                               f"anything; give at least {MIN_KV_BLOCKS * self.block_size * self.kv_bytes_per_token} "
                               "bytes with --kv-cache-memory")
         # One allocation, never grown: [K|V, layer, block, kv_head, row, head_dim]. Head-major blocks keep
-        # one head's rows of a block contiguous, which is how decode attention reads them.
-        self.kv_cache = _zeros_on_huge_pages((2, self.num_layers, self.num_blocks, self.num_kv_heads,
-                                              self.block_size, self.head_dim), self.dtype, self.device)
+        # one head's part of a block contiguous, which is how decode attention reads them; K is stored
+        # transposed within its block ([head_dim, row]) so that decode scores 16 tokens per vector.
+        shape = (self.num_layers, self.num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
+        self.kv_cache = _zeros_on_huge_pages((2, *shape), self.dtype, self.device)
         self.kv_cache_bytes = self.kv_cache.numel() * element
-        self._k_caches = list(self.kv_cache[0])
+        self._k_caches = list(self.kv_cache[0].view(*shape[:3], self.head_dim, self.block_size))
         self._v_caches = list(self.kv_cache[1])
         use_kernel = self.device.type == "cpu" and config.attention_backend != "torch" \
             and self.dtype in (torch.float32, torch.bfloat16)
@@ -129,7 +130,7 @@ class ModelRunner:
         context_lens = [s.seq.num_computed_tokens + 1 for s in decodes]
         slot_tensor = torch.tensor(slots, dtype=torch.long, device=self.device)
         return attention.AttentionMetadata(
-            k_caches=self._k_caches, v_caches=self._v_caches,
+            k_caches=self._k_caches, v_caches=self._v_caches, slots=slot_tensor,
             slot_blocks=slot_tensor // self.block_size, slot_offsets=slot_tensor % self.block_size,
             num_decode_tokens=num_decodes,
             decode_block_tables=torch.from_numpy(tables).to(self.device),
