@@ -101,6 +101,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # kernel: our C paged attention (CPU); torch: pure torch
     num_threads: int | None = None  # torch intra-op threads on CPU
     pack_weights: bool = True  # CPU: reorder linear weights once for oneDNN (faster GEMMs)
+    fast_forward: bool = True  # Llama family: our lean forward (False: always Hugging Face's modules)
 
     def __post_init__(self) -> None:
         _check(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")

@@ -1,7 +1,8 @@
 """The engine's greedy output equals Hugging Face generate(), token for token (fp32, CPU).
 
 Under plenty of memory, a KV cache small enough to force many preemptions, and a token budget small
-enough to force chunked prefill; with our C kernel and with the pure-torch attention."""
+enough to force chunked prefill; through our lean forward (with the C kernels, and with pure torch)
+and through Hugging Face's modules."""
 
 from __future__ import annotations
 
@@ -55,16 +56,23 @@ SETTINGS = {
 }
 
 
-@pytest.mark.parametrize("backend", ["kernel", "torch"])
+# Our lean Llama-family forward with the C kernels, the same with pure-torch ops and attention, and
+# Hugging Face's own modules with our attention plugged in.
+PATHS = {"lean-kernel": ("kernel", True), "lean-torch": ("torch", True), "hf-modules": ("kernel", False)}
+
+
+@pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("setting", list(SETTINGS))
 @pytest.mark.parametrize("family", ["llama", "llama64", "qwen2"])
-def test_greedy_equals_hf_generate(models, family: str, setting: str, backend: str) -> None:
+def test_greedy_equals_hf_generate(models, family: str, setting: str, path: str) -> None:
     model_dir, expected = models[family]
     s = SETTINGS[setting]
+    backend, lean = PATHS[path]
     config = EngineConfig(kv_cache_memory=s["kv_tokens"] * KV_BYTES_PER_TOKEN[family],
                           max_num_batched_tokens=s["max_num_batched_tokens"], attention_backend=backend,
-                          max_num_seqs=64, block_size=s["block_size"])
+                          max_num_seqs=64, block_size=s["block_size"], fast_forward=lean)
     engine = Engine(model_dir, config)
+    assert (engine.runner.forward is not None) == lean
     # Shortest first under a tight cache: many sequences are admitted together, then all grow.
     order = sorted(range(len(WORKLOAD)), key=lambda i: len(WORKLOAD[i][0])) if setting == "tight-kv" \
         else range(len(WORKLOAD))

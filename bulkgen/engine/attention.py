@@ -1,8 +1,9 @@
 """Paged attention plugged into Hugging Face models through transformers' attention-function interface.
 
 The runner flattens every scheduled token of every sequence into one ragged batch (batch size 1,
-no padding). The model computes q, k, v and RoPE as usual, then calls `paged_attention_forward`
-per layer, which writes the new K/V into the paged cache and attends:
+no padding). The model computes q, k, v and RoPE as usual, then calls `attend` per layer (through
+`paged_attention_forward` for Hugging Face modules, directly from `forward.LlamaForward`), which
+writes the new K/V into the paged cache and attends:
 - decode tokens (one new token per sequence, placed first in the batch) in one batched call over
   K/V read in place from their blocks: our C kernel on CPU, a gather + SDPA in torch elsewhere;
 - prefill chunks one sequence at a time with SDPA: causal over the chunk itself, or, when earlier
@@ -51,19 +52,27 @@ class AttentionMetadata:
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                             value: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float | None = None,
                             dropout: float = 0.0, **kwargs) -> tuple[torch.Tensor, None]:
-    meta: AttentionMetadata = kwargs["bulkgen_attention"]
-    layer = module.layer_idx
-    k_cache, v_cache = meta.k_caches[layer], meta.v_caches[layer]
-    _, num_heads, num_tokens, head_dim = query.shape  # [1, num_heads, num_tokens, head_dim]
-    # key, value: [1, num_kv_heads, num_tokens, head_dim]
-    scale = scaling if scaling is not None else head_dim**-0.5
+    """transformers' attention-function interface: query [1, num_heads, num_tokens, head_dim], key and
+    value [1, num_kv_heads, num_tokens, head_dim]; returns [1, num_tokens, num_heads, head_dim]."""
+    scale = scaling if scaling is not None else query.shape[-1]**-0.5
+    out = attend(kwargs["bulkgen_attention"], module.layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1),
+                 value[0].transpose(0, 1), scale)
+    return out.unsqueeze(0), None
 
-    write_kv(meta, key[0].transpose(0, 1), value[0].transpose(0, 1), k_cache, v_cache)
+
+def attend(meta: AttentionMetadata, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+           scale: float) -> torch.Tensor:
+    """One layer's attention for a step: query [num_tokens, num_heads, head_dim], key and value
+    [num_tokens, num_kv_heads, head_dim] (the step's new tokens, decodes first). Writes key and value
+    into the paged cache, returns [num_tokens, num_heads, head_dim]."""
+    k_cache, v_cache = meta.k_caches[layer], meta.v_caches[layer]
+    num_tokens, num_heads, head_dim = query.shape
+    write_kv(meta, key, value, k_cache, v_cache)
 
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype, device=query.device)
     num_decodes = meta.num_decode_tokens
     if num_decodes:
-        q = query[0, :, :num_decodes].transpose(0, 1)  # [num_decodes, num_heads, head_dim]
+        q = query[:num_decodes]  # [num_decodes, num_heads, head_dim]
         if meta.kernel is not None:
             out[:num_decodes] = _decode_kernel(meta, q, k_cache, v_cache, scale)
         else:
@@ -71,17 +80,18 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                                              meta.decode_context_lens, scale)
     for chunk in meta.prefills:
         span = slice(chunk.offset, chunk.offset + chunk.num_tokens)
-        q = query[:, :, span]  # [1, num_heads, n, head_dim]: 4-D inputs take torch's fused CPU kernel
+        q = query[span].transpose(0, 1).unsqueeze(0)  # [1, num_heads, n, head_dim]: 4-D takes torch's fused kernel
         if chunk.context_blocks is None:
-            o = F.scaled_dot_product_attention(q, key[:, :, span], value[:, :, span], is_causal=True,
-                                               scale=scale, enable_gqa=True)
+            k = key[span].transpose(0, 1).unsqueeze(0)
+            v = value[span].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         else:
             # [ctx, kv_heads, d] gathered from the blocks -> [1, kv_heads, ctx, d]
             k = k_cache[chunk.context_blocks, :, :, chunk.context_offsets].transpose(0, 1).unsqueeze(0)
             v = v_cache[chunk.context_blocks, :, chunk.context_offsets].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=chunk.mask, scale=scale, enable_gqa=True)
         out[span] = o[0].transpose(0, 1)
-    return out.unsqueeze(0), None  # [1, num_tokens, num_heads, head_dim]
+    return out
 
 
 def write_kv(meta: AttentionMetadata, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,

@@ -1,4 +1,5 @@
-"""Our C paged-attention kernel for CPU decode steps: compiled once per machine, loaded with ctypes.
+"""Our C kernels for the CPU (paged attention for decode steps, the KV write, fused RMSNorm, SiLU-mul
+and argmax): compiled once per machine, loaded with ctypes.
 
 It needs only a C compiler with OpenMP (gcc), no torch headers, so it builds in well under a second.
 Where no compiler is found the engine falls back to pure torch, slower but identical in results.
@@ -22,6 +23,7 @@ from bulkgen.config import Paths
 
 log = logging.getLogger(__name__)
 
+SOURCES = ("paged_attention.c", "ops.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 _ARGS = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int] * 6 \
     + [ctypes.c_float, ctypes.c_int]
@@ -30,7 +32,7 @@ _WRITE_ARGS = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 4 + [ctypes.c_void_p, c
 
 
 @cache
-def load_paged_attention() -> ctypes.CDLL | None:
+def load_cpu_kernels() -> ctypes.CDLL | None:
     """The compiled kernel library, or None (with one warning) when it cannot be built here."""
     if os.environ.get("BULKGEN_NO_KERNEL"):
         return None
@@ -38,13 +40,14 @@ def load_paged_attention() -> ctypes.CDLL | None:
     if compiler is None:
         log.warning("bulkgen: no C compiler found; CPU decode attention falls back to torch (slower)")
         return None
-    source = importlib.resources.files("bulkgen.engine").joinpath("csrc/paged_attention.c").read_text()
-    key = hashlib.sha256("\n".join([source, compiler, *FLAGS, _cpu_flags()]).encode()).hexdigest()[:16]
+    sources = {name: importlib.resources.files("bulkgen.engine").joinpath(f"csrc/{name}").read_text()
+               for name in SOURCES}
+    key = hashlib.sha256("\n".join([*sources.values(), compiler, *FLAGS, _cpu_flags()]).encode()).hexdigest()[:16]
     out_dir = Paths().cache_dir / "kernels"
-    library = out_dir / f"paged_attention-{key}.so"
+    library = out_dir / f"bulkgen-cpu-{key}.so"
     try:
         if not library.is_file():
-            _compile(compiler, source, library)
+            _compile(compiler, sources, library)
         lib = ctypes.CDLL(str(library))
     except (OSError, subprocess.CalledProcessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
@@ -58,20 +61,30 @@ def load_paged_attention() -> ctypes.CDLL | None:
         function = getattr(lib, name)
         function.argtypes = _WRITE_ARGS
         function.restype = None
+    p, i64, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    for name, argtypes in {"rms_norm": [p, p, p, p, i64, i64, ctypes.c_float, i, i],
+                           "silu_mul": [p, p, i64, i64, i, i],
+                           "argmax_rows": [p, i64, i64, i64, p, i],
+                           "rope": [p, i64, i64, i, i, p, p, i, i]}.items():
+        function = getattr(lib, name)
+        function.argtypes = argtypes
+        function.restype = None
     return lib
 
 
-def _compile(compiler: str, source: str, library: Path) -> None:
+def _compile(compiler: str, sources: dict[str, str], library: Path) -> None:
     library.parent.mkdir(parents=True, exist_ok=True)
     with open(library.parent / ".build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if library.is_file():
             return
         with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
-            src = Path(tmp) / "paged_attention.c"
-            src.write_text(source)
+            paths = []
+            for name, text in sources.items():
+                paths.append(Path(tmp) / name)
+                paths[-1].write_text(text)
             built = Path(tmp) / library.name
-            subprocess.run([compiler, *FLAGS, str(src), "-o", str(built), "-lm"], check=True,
+            subprocess.run([compiler, *FLAGS, *map(str, paths), "-o", str(built), "-lm"], check=True,
                            capture_output=True, text=True)
             os.replace(built, library)
 

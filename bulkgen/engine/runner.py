@@ -15,8 +15,8 @@ import psutil
 import torch
 
 from bulkgen.config import EngineConfig, format_size
-from bulkgen.engine import attention
-from bulkgen.engine.kernels import load_paged_attention
+from bulkgen.engine import attention, forward
+from bulkgen.engine.kernels import load_cpu_kernels
 from bulkgen.engine.scheduler import ScheduledSeq
 from bulkgen.engine.sequence import Sequence
 from bulkgen.errors import ConfigError, ModelError
@@ -39,8 +39,16 @@ class ModelRunner:
                 torch.set_num_threads(config.num_threads)
             _keep_freed_memory()
         self.model = _load(model, self.dtype, self.device)
+        use_kernel = self.device.type == "cpu" and config.attention_backend != "torch" \
+            and self.dtype in (torch.float32, torch.bfloat16)
+        self.kernel = load_cpu_kernels() if use_kernel else None
+        if config.attention_backend == "kernel" and self.kernel is None:
+            raise ConfigError("attention backend 'kernel' needs a CPU, float32 or bfloat16, and a C compiler (gcc)")
+        self.ops = forward.Ops(self.kernel, self.dtype)
+        self.forward = forward.make_forward(self.model, self.kernel, config.pack_weights) \
+            if config.fast_forward else None
         self.packed_linears = 0
-        if config.pack_weights and self.device.type == "cpu" and self.dtype != torch.float16:
+        if self.forward is None and config.pack_weights and self.device.type == "cpu" and self.dtype != torch.float16:
             self.packed_linears = pack_linears(self.model)
         hf = self.model.config
         self.num_layers = hf.num_hidden_layers
@@ -64,11 +72,6 @@ class ModelRunner:
         self.kv_cache_bytes = self.kv_cache.numel() * element
         self._k_caches = list(self.kv_cache[0].view(*shape[:3], self.head_dim, self.block_size))
         self._v_caches = list(self.kv_cache[1])
-        use_kernel = self.device.type == "cpu" and config.attention_backend != "torch" \
-            and self.dtype in (torch.float32, torch.bfloat16)
-        self.kernel = load_paged_attention() if use_kernel else None
-        if config.attention_backend == "kernel" and self.kernel is None:
-            raise ConfigError("attention backend 'kernel' needs a CPU, float32 or bfloat16, and a C compiler (gcc)")
 
     @property
     def max_num_tokens(self) -> int:
@@ -113,10 +116,12 @@ class ModelRunner:
                 sample_rows.append(offset - 1)
                 sampled.append(s.seq)
         meta = self._metadata(decodes, slots, chunks)
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)[None]
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)[None]
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         keep = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
-        output = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep,
+        if self.forward is not None:
+            return self.forward(ids, pos, keep, meta).float(), sampled
+        output = self.model(input_ids=ids[None], position_ids=pos[None], use_cache=False, logits_to_keep=keep,
                             bulkgen_attention=meta)
         return output.logits[0].float(), sampled
 

@@ -6,7 +6,7 @@ request gives the same tokens whatever else shares its batch.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,25 +23,36 @@ class SampleResult:
     logprobs: list[Any]  # per row: None, or {"token": id, "logprob": x, "top": [[id, logprob], ...]}
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Collection[int]) -> SampleResult:
+@torch.inference_mode()
+def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Collection[int],
+           argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> SampleResult:
+    """Choose each row's next token. `logits` may be modified in place (masks, penalties) unless a row
+    needs them raw (log-probabilities, sampling). `argmax` is row-wise over float32 (torch's by default)."""
     num_rows = logits.shape[0]
     if num_rows == 0:
         return SampleResult([], [], [])
+    needs_raw = any(s.params.logprobs is not None or not s.params.is_greedy for s in seqs)
     processed = logits
     masked_rows = [i for i, s in enumerate(seqs) if s.params.ignore_eos]
     if masked_rows and eos_token_ids:
-        processed = processed.clone()
-        rows = torch.tensor(masked_rows, device=logits.device)[:, None]
-        processed[rows, torch.tensor(sorted(eos_token_ids), device=logits.device)[None, :]] = float("-inf")
+        processed = processed.clone() if needs_raw else processed
+        columns = torch.tensor(sorted(eos_token_ids), device=logits.device)
+        if len(masked_rows) == num_rows:
+            processed[:, columns] = float("-inf")
+        else:
+            processed[torch.tensor(masked_rows, device=logits.device)[:, None], columns[None, :]] = float("-inf")
     for i, seq in enumerate(seqs):
         if seq.params.repetition_penalty != 1.0:
-            if processed is logits:
+            if processed is logits and needs_raw:
                 processed = processed.clone()
             apply_repetition_penalty(processed[i], seq.token_ids, seq.params.repetition_penalty)
     tokens = [0] * num_rows
     greedy = [i for i, s in enumerate(seqs) if s.params.is_greedy]
-    if greedy:
-        chosen = processed[torch.tensor(greedy, device=logits.device)].argmax(dim=-1).tolist()
+    argmax = argmax or (lambda x: x.argmax(dim=-1))
+    if len(greedy) == num_rows:
+        tokens = argmax(processed).tolist()
+    elif greedy:
+        chosen = argmax(processed[torch.tensor(greedy, device=logits.device)]).tolist()
         for i, token in zip(greedy, chosen, strict=True):
             tokens[i] = token
     # A NaN or +inf logit wins argmax, so checking the chosen logits finds broken rows cheaply.

@@ -1,0 +1,219 @@
+/*
+ * Small fused operations of the CPU forward pass, each one pass over memory instead of the five or six
+ * torch ops (and their allocations) that Hugging Face's modules spend on them. Each reproduces the
+ * roundings of the torch code it replaces: intermediate results are rounded to the model's dtype
+ * where torch rounds them, so bfloat16 outputs match torch's up to float32 summation order.
+ *
+ * dtype codes: 0 float32, 1 bfloat16. Rows are contiguous; row strides are in elements.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* Round to nearest even, as torch (c10::BFloat16) does; NaN stays NaN. */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float load(const void *p, int64_t i, int dtype) {
+    return dtype == 0 ? ((const float *)p)[i] : bf16_to_f32(((const uint16_t *)p)[i]);
+}
+
+static inline float round_to(float f, int dtype) { return dtype == 0 ? f : bf16_to_f32(f32_to_bf16(f)); }
+
+static inline void store(void *p, int64_t i, float f, int dtype) {
+    if (dtype == 0) ((float *)p)[i] = f;
+    else ((uint16_t *)p)[i] = f32_to_bf16(f);
+}
+
+/* The same on 16 lanes (GCC vector extensions: AVX-512 here, whatever -march=native offers elsewhere). */
+typedef float vf16 __attribute__((vector_size(64)));
+typedef uint32_t vu16 __attribute__((vector_size(64)));
+typedef int32_t vi16 __attribute__((vector_size(64)));
+typedef uint16_t vh16 __attribute__((vector_size(32)));
+
+static inline vu16 bits_of(vf16 f) { vu16 u; memcpy(&u, &f, sizeof u); return u; }
+static inline vf16 float_of(vu16 u) { vf16 f; memcpy(&f, &u, sizeof f); return f; }
+
+static inline vf16 vload(const void *p, int64_t i, int dtype) {
+    if (dtype == 0) { vf16 v; memcpy(&v, (const float *)p + i, sizeof v); return v; }
+    vh16 h;
+    memcpy(&h, (const uint16_t *)p + i, sizeof h);
+    return float_of(__builtin_convertvector(h, vu16) << 16);
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+/* The CPU's own float32 -> bfloat16 rounding (to nearest even, as torch's). */
+static inline vh16 to_bf16_bits(vf16 f) {
+    __m256bh h = _mm512_cvtneps_pbh((__m512)f);
+    vh16 out;
+    memcpy(&out, &h, sizeof out);
+    return out;
+}
+#define HAVE_BF16_ROUNDING 1
+#endif
+
+static inline vf16 vround_to(vf16 f, int dtype) {
+    if (dtype == 0) return f;
+#ifdef HAVE_BF16_ROUNDING
+    return float_of(__builtin_convertvector(to_bf16_bits(f), vu16) << 16);
+#endif
+    vu16 u = bits_of(f);
+    vu16 nan = (vu16)((u & 0x7fffffffu) > 0x7f800000u);
+    vu16 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    return float_of((rounded & ~nan) | ((u | 0x400000u) & 0xffff0000u & nan));
+}
+
+static inline void vstore(void *p, int64_t i, vf16 f, int dtype) {
+    if (dtype == 0) { memcpy((float *)p + i, &f, sizeof f); return; }
+#ifdef HAVE_BF16_ROUNDING
+    vh16 h = to_bf16_bits(f);
+#else
+    vh16 h = __builtin_convertvector(bits_of(vround_to(f, 1)) >> 16, vh16);
+#endif
+    memcpy((uint16_t *)p + i, &h, sizeof h);
+}
+
+/* exp on 16 lanes for x in [-87, 88] (clamped outside): x = n ln2 + r, exp(r) by a degree-6
+ * polynomial, 2^n in the exponent bits. Relative error about 2e-7. */
+static inline vf16 vexp(vf16 x) {
+    x = float_of((bits_of(x) & (vu16)(x >= -87.0f)) | (bits_of((vf16){0} - 87.0f) & (vu16)(x < -87.0f)));
+    x = float_of((bits_of(x) & (vu16)(x <= 88.0f)) | (bits_of((vf16){0} + 88.0f) & (vu16)(x > 88.0f)));
+    vf16 n = __builtin_convertvector(__builtin_convertvector(x * 1.44269504088896341f
+                                     + float_of((bits_of(x) & 0x80000000u) | bits_of((vf16){0} + 0.5f)), vi16), vf16);
+    vf16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    vf16 p = (vf16){0} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    return p * float_of((vu16)((__builtin_convertvector(n, vi16) + 127) << 23));
+}
+
+/* Llama's RMSNorm: y = w * to_dtype(x * rsqrt(mean(x^2) + eps)), statistics in float32.
+ * With `residual` (may be NULL): first x += residual (rounded to the dtype, as torch's add), stored
+ * back into x, so that one pass does the residual add and the norm of the next sub-layer. */
+void rms_norm(void *x, const void *residual, const void *weight, void *out, int64_t rows, int64_t cols,
+              float eps, int dtype, int num_threads) {
+    const int64_t vec_end = cols / 16 * 16;
+    #pragma omp parallel for num_threads(num_threads) schedule(static) if (rows > 4)
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t o = r * cols;
+        if (residual != NULL) {
+            for (int64_t i = 0; i < vec_end; i += 16)
+                vstore(x, o + i, vload(x, o + i, dtype) + vload(residual, o + i, dtype), dtype);
+            for (int64_t i = vec_end; i < cols; i++) store(x, o + i, load(x, o + i, dtype) + load(residual, o + i, dtype), dtype);
+        }
+        vf16 partial = {0};
+        for (int64_t i = 0; i < vec_end; i += 16) {
+            vf16 v = vload(x, o + i, dtype);
+            partial += v * v;
+        }
+        float sum = 0.0f;
+        for (int j = 0; j < 16; j++) sum += partial[j];
+        for (int64_t i = vec_end; i < cols; i++) sum += load(x, o + i, dtype) * load(x, o + i, dtype);
+        const float inv = 1.0f / sqrtf(sum / (float)cols + eps);
+        for (int64_t i = 0; i < vec_end; i += 16)
+            vstore(out, o + i, vload(weight, i, dtype) * vround_to(vload(x, o + i, dtype) * inv, dtype), dtype);
+        for (int64_t i = vec_end; i < cols; i++)
+            store(out, o + i, load(weight, i, dtype) * round_to(load(x, o + i, dtype) * inv, dtype), dtype);
+    }
+}
+
+/* SiLU-and-multiply of a fused gate|up projection: gate_up [rows, 2 * cols] -> out [rows, cols],
+ * out = to_dtype(to_dtype(silu(gate)) * up), silu(g) = g / (1 + exp(-g)). */
+void silu_mul(const void *gate_up, void *out, int64_t rows, int64_t cols, int dtype, int num_threads) {
+    const int64_t vec_end = cols / 16 * 16;
+    #pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * cols > 32768)
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t g0 = r * 2 * cols, o0 = r * cols;
+        for (int64_t i = 0; i < vec_end; i += 16) {
+            const vf16 g = vload(gate_up, g0 + i, dtype);
+            const vf16 silu = vround_to(g / (1.0f + vexp(-g)), dtype);
+            vstore(out, o0 + i, silu * vload(gate_up, g0 + cols + i, dtype), dtype);
+        }
+        for (int64_t i = vec_end; i < cols; i++) {
+            const float g = load(gate_up, g0 + i, dtype);
+            const float silu = round_to(g / (1.0f + expf(-g)), dtype);
+            store(out, o0 + i, silu * load(gate_up, g0 + cols + i, dtype), dtype);
+        }
+    }
+}
+
+/* Rotary position embedding in place, as Hugging Face's apply_rotary_pos_emb: for the first num_heads
+ * heads of each row (q's heads then k's, as they sit in the fused qkv projection),
+ * x <- to_dtype(to_dtype(x * cos) + to_dtype(rotate_half(x) * sin)), rotate_half(x) = (-x2, x1).
+ * cos, sin: [rows, head_dim]. No fused multiply-adds, so that float32 results equal torch's. */
+__attribute__((optimize("fp-contract=off")))
+void rope(void *x, int64_t rows, int64_t row_stride, int num_heads, int head_dim, const void *cos,
+          const void *sin, int dtype, int num_threads) {
+    const int half = head_dim / 2, vec_end = half / 16 * 16;
+    #pragma omp parallel for num_threads(num_threads) schedule(static) if (rows > 16)
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t c0 = r * head_dim;
+        for (int h = 0; h < num_heads; h++) {
+            const int64_t x0 = r * row_stride + (int64_t)h * head_dim;
+            for (int i = 0; i < vec_end; i += 16) {
+                const vf16 x1 = vload(x, x0 + i, dtype), x2 = vload(x, x0 + i + half, dtype);
+                const vf16 a = vround_to(x1 * vload(cos, c0 + i, dtype), dtype)
+                             + vround_to(-x2 * vload(sin, c0 + i, dtype), dtype);
+                const vf16 b = vround_to(x2 * vload(cos, c0 + i + half, dtype), dtype)
+                             + vround_to(x1 * vload(sin, c0 + i + half, dtype), dtype);
+                vstore(x, x0 + i, a, dtype);
+                vstore(x, x0 + i + half, b, dtype);
+            }
+            for (int i = vec_end; i < half; i++) {
+                const float x1 = load(x, x0 + i, dtype), x2 = load(x, x0 + i + half, dtype);
+                const float a = round_to(x1 * load(cos, c0 + i, dtype), dtype)
+                              + round_to(-x2 * load(sin, c0 + i, dtype), dtype);
+                const float b = round_to(x2 * load(cos, c0 + i + half, dtype), dtype)
+                              + round_to(x1 * load(sin, c0 + i + half, dtype), dtype);
+                store(x, x0 + i, a, dtype);
+                store(x, x0 + i + half, b, dtype);
+            }
+        }
+    }
+}
+
+/* Index of the largest value of each float32 row; the first one on ties, as torch.argmax; a NaN, where
+ * one is present, counts as the largest (so that callers see broken rows). */
+void argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t row_stride, int64_t *out, int num_threads) {
+    #pragma omp parallel for num_threads(num_threads) schedule(static) if (rows > 1)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * row_stride;
+        float best[16];
+        int64_t i = 0;
+        for (int j = 0; j < 16; j++) best[j] = -INFINITY;
+        int has_nan = 0;
+        for (; i + 16 <= cols; i += 16)
+            for (int j = 0; j < 16; j++) {
+                const float v = xr[i + j];
+                has_nan |= v != v;
+                best[j] = v > best[j] ? v : best[j];
+            }
+        float m = -INFINITY;
+        for (int j = 0; j < 16; j++) m = best[j] > m ? best[j] : m;
+        for (; i < cols; i++) {
+            has_nan |= xr[i] != xr[i];
+            m = xr[i] > m ? xr[i] : m;
+        }
+        int64_t index = 0;
+        for (i = 0; i < cols; i++)
+            if (has_nan ? xr[i] != xr[i] : xr[i] == m) { index = i; break; }
+        out[r] = index;
+    }
+}

@@ -1,0 +1,208 @@
+"""A lean forward pass for the Llama family (Llama, Mistral, Qwen2; SmolLM2 is a Llama).
+
+The same math as Hugging Face's modules, on their weights, in the same order of operations, but
+without the module machinery: a decode step of a small model spends as much time in Python as in
+its GEMMs otherwise (30 layers × 9 modules × kwargs plumbing: about 9 ms a step for SmolLM2-135M).
+Also: q, k, v are one GEMM and gate, up are one GEMM (fused weights, 7 GEMMs a layer become 4);
+RMSNorm, the residual add before it and SiLU-and-multiply run as one C pass each on CPU; the final
+norm and the LM head see only the rows that are sampled.
+
+Models outside the family (or with features this does not reproduce: q/k norms, biases on o_proj or
+the MLP, other activations) run through Hugging Face's modules with our attention plugged into
+transformers' attention interface, which is exact for any model that uses it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from bulkgen.engine import attention
+
+FAMILY = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def unsupported_reason(model: torch.nn.Module) -> str | None:
+    """Why the lean forward cannot run this model (None: it can)."""
+    name = type(model).__name__
+    if name not in FAMILY:
+        return f"{name} is not in the Llama family"
+    config = model.config
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act}"
+    layer = model.model.layers[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    if hasattr(attn, "q_norm") or hasattr(attn, "k_norm"):
+        return "q/k norms"
+    if attn.o_proj.bias is not None or any(getattr(mlp, n).bias is not None for n in ("gate_proj", "up_proj", "down_proj")):
+        return "biases on o_proj or the MLP"
+    if not all(type(getattr(attn, n)) is torch.nn.Linear for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
+        return "non-standard projections"
+    return None
+
+
+class Linear:
+    """y = x W^T + b; on CPU with the weight reordered once for oneDNN (a third faster than nn.Linear's
+    MKL path here), elsewhere torch's linear."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool) -> None:
+        self.packed = pack and weight.device.type == "cpu" and torch.backends.mkldnn.is_available() \
+            and weight.dtype != torch.float16
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if self.packed else weight
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+def fused(*linears: torch.nn.Linear, pack: bool) -> Linear:
+    weight = torch.cat([lin.weight.detach() for lin in linears])
+    biases = [lin.bias for lin in linears]
+    bias = None if all(b is None for b in biases) else torch.cat([
+        b.detach() if b is not None else torch.zeros(lin.out_features, dtype=weight.dtype, device=weight.device)
+        for b, lin in zip(biases, linears, strict=True)])
+    return Linear(weight, bias, pack)
+
+
+class Ops:
+    """RMSNorm (with the residual add before it), SiLU-and-multiply and argmax: our C kernels on CPU
+    for float32 and bfloat16, otherwise the torch code of Hugging Face's modules."""
+
+    def __init__(self, kernel: ctypes.CDLL | None, dtype: torch.dtype) -> None:
+        self.kernel = kernel if dtype in DTYPE_CODES else None  # for norms and activations in the model's dtype
+        self.argmax_kernel = kernel
+        self.dtype_code = DTYPE_CODES.get(dtype, -1)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+        """x += residual (in place, when given), then RMSNorm(x) as a new tensor. x: [rows, hidden]."""
+        if self.kernel is not None and x.is_contiguous() and (residual is None or residual.is_contiguous()):
+            out = torch.empty_like(x)
+            self.kernel.rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
+                                 out.data_ptr(), x.shape[0], x.shape[1], eps, self.dtype_code, torch.get_num_threads())
+            return out
+        if residual is not None:
+            x.add_(residual)
+        return rms_norm_torch(x, weight, eps)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [rows, 2 * n] -> silu(gate) * up [rows, n]."""
+        rows, width = gate_up.shape
+        if self.kernel is not None and gate_up.is_contiguous():
+            out = torch.empty(rows, width // 2, dtype=gate_up.dtype, device=gate_up.device)
+            self.kernel.silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, self.dtype_code,
+                                 torch.get_num_threads())
+            return out
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def rope(self, qkv: torch.Tensor, num_heads: int, head_dim: int, cos: torch.Tensor,
+             sin: torch.Tensor) -> torch.Tensor | None:
+        """Rotate the first num_heads heads of each row of qkv [rows, width] in place (q's then k's
+        heads). Returns None where the C kernel does not apply (the caller rotates with torch)."""
+        if self.kernel is None or qkv.stride(-1) != 1 or not cos.is_contiguous() or not sin.is_contiguous():
+            return None
+        self.kernel.rope(qkv.data_ptr(), qkv.shape[0], qkv.stride(0), num_heads, head_dim, cos.data_ptr(),
+                         sin.data_ptr(), self.dtype_code, torch.get_num_threads())
+        return qkv
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Row-wise argmax of float32 logits [rows, vocab] (int64); torch's own is 4× slower on CPU."""
+        if self.argmax_kernel is not None and logits.dtype == torch.float32 and logits.device.type == "cpu" \
+                and logits.stride(-1) == 1 and logits.shape[0] > 0:
+            out = torch.empty(logits.shape[0], dtype=torch.int64)
+            self.argmax_kernel.argmax_rows(logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0),
+                                    out.data_ptr(), torch.get_num_threads())
+            return out
+        return logits.argmax(dim=-1)
+
+
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Hugging Face's LlamaRMSNorm.forward."""
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    variance = h.pow(2).mean(-1, keepdim=True)
+    h = h * torch.rsqrt(variance + eps)
+    return weight * h.to(dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's apply_rotary_pos_emb for one of q, k: x [tokens, heads, head_dim], cos/sin [tokens, head_dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None] + rotated * sin[:, None]
+
+
+class _Layer:
+    def __init__(self, layer: torch.nn.Module, pack: bool) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        self.qkv = fused(attn.q_proj, attn.k_proj, attn.v_proj, pack=pack)
+        self.q_size, self.kv_size = attn.q_proj.out_features, attn.k_proj.out_features
+        self.o = Linear(attn.o_proj.weight.detach(), None, pack)
+        self.gate_up = fused(mlp.gate_proj, mlp.up_proj, pack=pack)
+        self.down = Linear(mlp.down_proj.weight.detach(), None, pack)
+        self.input_norm = layer.input_layernorm.weight.detach()
+        self.post_norm = layer.post_attention_layernorm.weight.detach()
+        self.eps = layer.input_layernorm.variance_epsilon
+        self.scale = attn.scaling
+        self.head_dim = attn.head_dim
+        # The weights now live here only: drop the module's copies (the model is the runner's own).
+        for owner, names in ((attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
+                             (mlp, ("gate_proj", "up_proj", "down_proj"))):
+            for name in names:
+                delattr(owner, name)
+
+
+class LlamaForward:
+    """forward(input_ids [T], positions [T], keep [K], meta) -> logits [K, vocab] in the model's dtype."""
+
+    def __init__(self, model: torch.nn.Module, kernel: ctypes.CDLL | None, pack: bool) -> None:
+        inner = model.model
+        self.embed = inner.embed_tokens
+        self.rotary = inner.rotary_emb
+        self.final_norm = inner.norm.weight.detach()
+        self.final_eps = inner.norm.variance_epsilon
+        self.layers = [_Layer(layer, pack) for layer in inner.layers]
+        head = model.lm_head
+        self.lm_head = Linear(head.weight.detach(), None if head.bias is None else head.bias.detach(), pack)
+        model.lm_head = torch.nn.Identity()  # its (packed) copy is ours now; tied embeddings keep theirs
+        self.ops = Ops(kernel, self.final_norm.dtype)
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
+                 meta: attention.AttentionMetadata) -> torch.Tensor:
+        ops = self.ops
+        h = self.embed(input_ids)  # [T, hidden]
+        cos, sin = self.rotary(h, positions[None])
+        cos, sin = cos[0], sin[0]
+        num_tokens = h.shape[0]
+        x = ops.add_rms_norm(h, None, self.layers[0].input_norm, self.layers[0].eps)
+        for i, layer in enumerate(self.layers):
+            qkv = layer.qkv(x)
+            rotated = ops.rope(qkv, (layer.q_size + layer.kv_size) // layer.head_dim, layer.head_dim, cos, sin)
+            q, k, v = (t.view(num_tokens, -1, layer.head_dim)
+                       for t in qkv.split([layer.q_size, layer.kv_size, layer.kv_size], dim=-1))
+            if rotated is None:
+                q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+            o = attention.attend(meta, i, q, k, v, layer.scale)
+            x = ops.add_rms_norm(h, layer.o(o.view(num_tokens, -1)), layer.post_norm, layer.eps)
+            down = layer.down(ops.silu_mul(layer.gate_up(x)))
+            if i + 1 < len(self.layers):
+                x = ops.add_rms_norm(h, down, self.layers[i + 1].input_norm, self.layers[i + 1].eps)
+            else:
+                h.add_(down)
+        x = ops.add_rms_norm(h[keep], None, self.final_norm, self.final_eps)
+        return self.lm_head(x)
+
+
+def make_forward(model: torch.nn.Module, kernel: ctypes.CDLL | None, pack: bool,
+                 ) -> Callable[..., torch.Tensor] | None:
+    """The lean forward for this model, or None where it must run through Hugging Face's modules."""
+    if unsupported_reason(model) is not None:
+        return None
+    return LlamaForward(model, kernel, pack)

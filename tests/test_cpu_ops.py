@@ -1,0 +1,72 @@
+"""The C versions of RMSNorm (+ residual add), SiLU-and-multiply, RoPE and argmax against the torch code
+of Hugging Face's modules they replace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bulkgen.engine.forward import Ops, rms_norm_torch, rotate
+from bulkgen.engine.kernels import load_cpu_kernels
+
+TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=1 / 64, atol=1e-2)}
+
+
+def _ops(dtype: torch.dtype) -> Ops:
+    kernel = load_cpu_kernels()
+    assert kernel is not None, "the kernels build wherever gcc is present (CI has it)"
+    return Ops(kernel, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm(dtype: torch.dtype, with_residual: bool) -> None:
+    torch.manual_seed(0)
+    x = (torch.randn(37, 576) * 3).to(dtype)
+    residual = torch.randn(37, 576).to(dtype) if with_residual else None
+    weight = torch.rand(576).to(dtype) + 0.5
+    want_x = x + residual if with_residual else x.clone()
+    want = rms_norm_torch(want_x, weight, 1e-5)
+    got = _ops(dtype).add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(x, want_x), "the residual is added in place, rounded as torch's add"
+    torch.testing.assert_close(got, want, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul(dtype: torch.dtype) -> None:
+    torch.manual_seed(1)
+    gate_up = (torch.randn(19, 2 * 1536) * 4).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(_ops(dtype).silu_mul(gate_up), F.silu(gate) * up, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_in_place_equals_hugging_face(dtype: torch.dtype) -> None:
+    torch.manual_seed(2)
+    tokens, heads, kv_heads, head_dim = 11, 9, 3, 64
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim).to(dtype)
+    angles = torch.rand(tokens, head_dim // 2) * 100
+    cos = torch.cat([angles.cos()] * 2, dim=-1).to(dtype)
+    sin = torch.cat([angles.sin()] * 2, dim=-1).to(dtype)
+    q = qkv[:, :heads * head_dim].reshape(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].reshape(tokens, kv_heads, head_dim)
+    want_q, want_k, want_v = rotate(q, cos, sin), rotate(k, cos, sin), qkv[:, (heads + kv_heads) * head_dim:].clone()
+    assert _ops(dtype).rope(qkv, heads + kv_heads, head_dim, cos, sin) is qkv
+    assert torch.equal(qkv[:, :heads * head_dim].view(tokens, heads, head_dim), want_q)
+    assert torch.equal(qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim), want_k)
+    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim:], want_v), "v is left alone"
+
+
+def test_argmax_first_on_ties_and_nan_wins() -> None:
+    ops = _ops(torch.float32)
+    torch.manual_seed(3)
+    logits = torch.randn(6, 49152)
+    logits[1, 7] = logits[1, 9000] = 50.0  # a tie: the first index, as torch
+    logits[2, 49151] = 60.0  # in the tail past the last full vector
+    logits[3, 123] = float("nan")
+    logits[4, 5] = float("inf")
+    got = ops.argmax(logits)
+    assert got.tolist()[:3] == logits[:3].argmax(dim=-1).tolist() == [logits[0].argmax().item(), 7, 49151]
+    assert got[3] == 123 and got[4] == 5
+    assert torch.equal(ops.argmax(logits[:, :1000]), logits[:, :1000].argmax(dim=-1)), "strided rows"
