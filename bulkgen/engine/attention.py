@@ -28,7 +28,7 @@ class PrefillChunk:
     start: int  # position of its first token in the sequence (0 unless part is cached)
     context_blocks: torch.Tensor | None = None  # [start + num_tokens] block of each position, when start > 0
     context_offsets: torch.Tensor | None = None  # [start + num_tokens] row within the block
-    mask: torch.Tensor | None = None  # [num_tokens, start + num_tokens] bool, when start > 0
+    mask: torch.Tensor | None = None  # [num_tokens, start + num_tokens] bool, when start > num_tokens
 
 
 @dataclass
@@ -89,7 +89,15 @@ def attend(meta: AttentionMetadata, layer: int, query: torch.Tensor, key: torch.
             # [ctx, kv_heads, d] gathered from the blocks -> [1, kv_heads, ctx, d]
             k = k_cache[chunk.context_blocks, :, :, chunk.context_offsets].transpose(0, 1).unsqueeze(0)
             v = v_cache[chunk.context_blocks, :, chunk.context_offsets].transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=chunk.mask, scale=scale, enable_gqa=True)
+            if chunk.mask is None:
+                # A short cached start (a prefix-cache hit): pad the queries in front so that torch's causal
+                # kernel (top-left aligned) lines up with the chunk's positions; twice as fast as a mask.
+                padded = q.new_zeros(1, num_heads, chunk.start + chunk.num_tokens, head_dim)
+                padded[:, :, chunk.start:] = q
+                o = F.scaled_dot_product_attention(padded, k, v, is_causal=True, scale=scale,
+                                                   enable_gqa=True)[:, :, chunk.start:]
+            else:
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=chunk.mask, scale=scale, enable_gqa=True)
         out[span] = o[0].transpose(0, 1)
     return out
 

@@ -2,6 +2,8 @@
 
 A step's scheduled tokens are flattened into one ragged batch (decodes first, then prefill chunks),
 so the linear layers see no padding, and only the positions that need sampling reach the LM head.
+The Llama family runs through our lean forward (forward.py); other models through their Hugging Face
+modules with our attention plugged in.
 """
 
 from __future__ import annotations
@@ -106,8 +108,9 @@ class ModelRunner:
             if start:
                 chunk.context_blocks = torch.from_numpy(context_slots // bs).to(self.device)
                 chunk.context_offsets = torch.from_numpy(context_slots % bs).to(self.device)
-                q_pos = torch.arange(start, start + n, device=self.device)
-                chunk.mask = q_pos[:, None] >= torch.arange(start + n, device=self.device)[None, :]
+                if start > n:  # else attention pads the queries instead (see attention.attend)
+                    q_pos = torch.arange(start, start + n, device=self.device)
+                    chunk.mask = q_pos[:, None] >= torch.arange(start + n, device=self.device)[None, :]
             chunks.append(chunk)
         offset = 0
         for s in decodes + prefills:
