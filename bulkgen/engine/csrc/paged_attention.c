@@ -143,14 +143,54 @@ static inline const float *rows_bf16(const uint16_t *p, float *scratch, int n) {
     return scratch;
 }
 
+/* Scores of 16 tokens (column v0 of a K block transposed, [HD][block_size]) for G query heads of one
+ * KV head: each K vector is loaded once for the G heads; two accumulators per head hide FMA latency. */
+#define K_TILE(G)                                                                                       \
+    do {                                                                                                \
+        vf16 acc[G][2];                                                                                 \
+        for (int g = 0; g < (G); g++) acc[g][0] = acc[g][1] = (vf16){0};                               \
+        for (int d = 0; d < HDIM; d += 2) {                                                             \
+            const vf16 k0 = vload_f32(kt + (int64_t)d * block_size + v0);                               \
+            const vf16 k1 = vload_f32(kt + (int64_t)(d + 1) * block_size + v0);                         \
+            for (int g = 0; g < (G); g++) {                                                             \
+                acc[g][0] += qt[g * HDIM + d] * k0;                                                     \
+                acc[g][1] += qt[g * HDIM + d + 1] * k1;                                                 \
+            }                                                                                           \
+        }                                                                                               \
+        for (int g = 0; g < (G); g++) {                                                                 \
+            vf16 sc = (acc[g][0] + acc[g][1]) * scale;                                                  \
+            memcpy(st + (int64_t)g * ctx_pad + v0, &sc, sizeof sc);                                     \
+        }                                                                                               \
+    } while (0)
+
+/* The weighted sum over a V block ([n][HD]) for G query heads of one KV head: each V vector is
+ * loaded once for the G heads. */
+#define V_TILE(G)                                                                                       \
+    do {                                                                                                \
+        vf16 acc[G][HDIM / 16];                                                                         \
+        for (int g = 0; g < (G); g++)                                                                   \
+            for (int c = 0; c < HDIM / 16; c++) acc[g][c] = vload_f32(ot + g * HDIM + 16 * c);         \
+        for (int j = 0; j < n; j++) {                                                                   \
+            float p[G];                                                                                 \
+            for (int g = 0; g < (G); g++) p[g] = pt[(int64_t)g * ctx_pad + j];                          \
+            for (int c = 0; c < HDIM / 16; c++) {                                                       \
+                const vf16 v = vload_f32(vb + j * HDIM + 16 * c);                                       \
+                for (int g = 0; g < (G); g++) acc[g][c] += p[g] * v;                                    \
+            }                                                                                           \
+        }                                                                                               \
+        for (int g = 0; g < (G); g++)                                                                   \
+            for (int c = 0; c < HDIM / 16; c++) memcpy(ot + g * HDIM + 16 * c, &acc[g][c], sizeof(vf16)); \
+    } while (0)
+
 /* One sequence, all heads; block_size a multiple of 16, head_dim HD a multiple of 16.
  * Scores: K is stored transposed in each block ([head_dim][block_size]), so 16 tokens' scores are one
- * vector built by broadcasting q[d] over row d: no horizontal sums. scores: [num_heads, ctx_pad]. */
+ * vector built by broadcasting q[d] over row d: no horizontal sums. Query heads sharing a KV head go
+ * in tiles of up to TILE heads, so each K and V vector feeds several FMAs. scores: [num_heads, ctx_pad]. */
 #define DEFINE_SEQ_VEC(NAME, T, ROWS, HD)                                                               \
 static void NAME(const float *qs, const T *k_cache, const T *v_cache, const int32_t *table, int ctx,   \
                  float *os, float *scores, float *scratch, int group, int num_kv_heads,                 \
                  int64_t head_stride, int64_t block_stride, int block_size, float scale) {              \
-    enum { C = (HD) / 16 };                                                                             \
+    enum { HDIM = (HD), TILE = (HD) == 64 ? 4 : 2 };                                                    \
     const int num_heads = group * num_kv_heads;                                                         \
     const int ctx_pad = (ctx + block_size - 1) / block_size * block_size;                              \
     for (int t0 = 0; t0 < ctx; t0 += block_size) {                                                      \
@@ -162,28 +202,24 @@ static void NAME(const float *qs, const T *k_cache, const T *v_cache, const int3
         }                                                                                               \
         for (int kh = 0; kh < num_kv_heads; kh++) {                                                     \
             const float *kt = ROWS(kb0 + (int64_t)kh * head_stride, scratch, (int)head_stride);         \
-            for (int g = 0; g < group; g++) {                                                           \
-                const int h = kh * group + g;                                                           \
-                const float *qh = qs + (int64_t)h * (HD);                                               \
+            for (int g0 = 0; g0 < group; g0 += TILE) {                                                  \
+                const int h = kh * group + g0;                                                          \
+                const float *qt = qs + (int64_t)h * HDIM;                                               \
+                float *st = scores + (int64_t)h * ctx_pad + t0;                                         \
                 for (int v0 = 0; v0 < block_size; v0 += 16) {                                           \
-                    vf16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};                                        \
-                    for (int d = 0; d < (HD); d += 4) {                                                 \
-                        a0 += qh[d] * vload_f32(kt + (int64_t)d * block_size + v0);                     \
-                        a1 += qh[d + 1] * vload_f32(kt + (int64_t)(d + 1) * block_size + v0);           \
-                        a2 += qh[d + 2] * vload_f32(kt + (int64_t)(d + 2) * block_size + v0);           \
-                        a3 += qh[d + 3] * vload_f32(kt + (int64_t)(d + 3) * block_size + v0);           \
+                    switch (group - g0 < TILE ? group - g0 : TILE) {                                    \
+                        case 1: K_TILE(1); break;                                                       \
+                        case 2: K_TILE(2); break;                                                       \
+                        case 3: K_TILE(3); break;                                                       \
+                        default: K_TILE(TILE); break;                                                   \
                     }                                                                                   \
-                    vf16 sc = ((a0 + a1) + (a2 + a3)) * scale;                                          \
-                    memcpy(scores + (int64_t)h * ctx_pad + t0 + v0, &sc, sizeof sc);                    \
                 }                                                                                       \
             }                                                                                           \
         }                                                                                               \
     }                                                                                                   \
     float inv_sums[MAX_HEADS];                                                                          \
     softmax_rows(scores, inv_sums, num_heads, ctx, ctx_pad);                                            \
-    vf16 zero = {0};                                                                                    \
-    for (int h = 0; h < num_heads; h++)                                                                 \
-        for (int c = 0; c < C; c++) memcpy(os + (int64_t)h * (HD) + 16 * c, &zero, sizeof zero);        \
+    memset(os, 0, sizeof(float) * (size_t)num_heads * HDIM);                                           \
     for (int t0 = 0; t0 < ctx; t0 += block_size) {                                                      \
         const T *vb0 = v_cache + (int64_t)table[t0 / block_size] * block_stride;                        \
         const int n = ctx - t0 < block_size ? ctx - t0 : block_size;                                    \
@@ -193,21 +229,22 @@ static void NAME(const float *qs, const T *k_cache, const T *v_cache, const int3
             for (int c = 0; c < (int)(sizeof(T) * block_stride); c += 64) __builtin_prefetch(next + c); \
         }                                                                                               \
         for (int kh = 0; kh < num_kv_heads; kh++) {                                                     \
-            const float *vb = ROWS(vb0 + (int64_t)kh * head_stride, scratch, n * (HD));                 \
-            for (int g = 0; g < group; g++) {                                                           \
-                const int h = kh * group + g;                                                           \
-                const float *p = scores + (int64_t)h * ctx_pad + t0;                                    \
-                float *og = os + (int64_t)h * (HD);                                                     \
-                vf16 acc[C];                                                                            \
-                for (int c = 0; c < C; c++) acc[c] = vload_f32(og + 16 * c);                            \
-                for (int j = 0; j < n; j++)                                                             \
-                    for (int c = 0; c < C; c++) acc[c] += p[j] * vload_f32(vb + j * (HD) + 16 * c);     \
-                for (int c = 0; c < C; c++) memcpy(og + 16 * c, &acc[c], sizeof acc[c]);                \
+            const float *vb = ROWS(vb0 + (int64_t)kh * head_stride, scratch, n * HDIM);                 \
+            for (int g0 = 0; g0 < group; g0 += TILE) {                                                  \
+                const int h = kh * group + g0;                                                          \
+                const float *pt = scores + (int64_t)h * ctx_pad + t0;                                   \
+                float *ot = os + (int64_t)h * HDIM;                                                     \
+                switch (group - g0 < TILE ? group - g0 : TILE) {                                        \
+                    case 1: V_TILE(1); break;                                                           \
+                    case 2: V_TILE(2); break;                                                           \
+                    case 3: V_TILE(3); break;                                                           \
+                    default: V_TILE(TILE); break;                                                       \
+                }                                                                                       \
             }                                                                                           \
         }                                                                                               \
     }                                                                                                   \
     for (int h = 0; h < num_heads; h++)                                                                 \
-        for (int i = 0; i < (HD); i++) os[(int64_t)h * (HD) + i] *= inv_sums[h];                        \
+        for (int i = 0; i < HDIM; i++) os[(int64_t)h * HDIM + i] *= inv_sums[h];                        \
 }
 
 /* Any head_dim or block size: plain loops, one sequence, all heads. */
