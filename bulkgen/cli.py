@@ -218,7 +218,7 @@ def engine_options(func: Callable) -> Callable:
         click.option("--max-num-batched-tokens", type=int, default=1024, show_default=True,
                      help="Tokens computed per engine step (the token budget)."),
         click.option("--max-model-len", type=int, help="Cap on prompt + output tokens (default: the model's)."),
-        click.option("--block-size", type=int, default=16, show_default=True, help="Tokens per KV block."),
+        click.option("--block-size", type=int, default=32, show_default=True, help="Tokens per KV block."),
         click.option("--attention-backend", type=click.Choice(["auto", "kernel", "torch"]), default="auto",
                      show_default=True, help="kernel: bulkgen's C paged attention (CPU); torch: pure torch."),
         click.option("--num-threads", type=int, help="CPU threads for torch (default: all cores)."),
