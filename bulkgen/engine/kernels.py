@@ -24,6 +24,7 @@ from bulkgen.config import Paths
 log = logging.getLogger(__name__)
 
 SOURCES = ("paged_attention.c", "ops.c")
+HEADERS = ("vec.h",)
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 _ARGS = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int] * 6 \
     + [ctypes.c_float, ctypes.c_int]
@@ -41,7 +42,7 @@ def load_cpu_kernels() -> ctypes.CDLL | None:
         log.warning("bulkgen: no C compiler found; CPU decode attention falls back to torch (slower)")
         return None
     sources = {name: importlib.resources.files("bulkgen.engine").joinpath(f"csrc/{name}").read_text()
-               for name in SOURCES}
+               for name in (*SOURCES, *HEADERS)}
     key = hashlib.sha256("\n".join([*sources.values(), compiler, *FLAGS, _cpu_flags()]).encode()).hexdigest()[:16]
     out_dir = Paths().cache_dir / "kernels"
     library = out_dir / f"bulkgen-cpu-{key}.so"
@@ -84,7 +85,7 @@ def _compile(compiler: str, sources: dict[str, str], library: Path) -> None:
                 paths.append(Path(tmp) / name)
                 paths[-1].write_text(text)
             built = Path(tmp) / library.name
-            subprocess.run([compiler, *FLAGS, *map(str, paths), "-o", str(built), "-lm"], check=True,
+            subprocess.run([compiler, *FLAGS, *(str(p) for p in paths if p.suffix == ".c"), "-o", str(built), "-lm"], check=True,
                            capture_output=True, text=True)
             os.replace(built, library)
 

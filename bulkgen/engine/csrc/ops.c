@@ -10,6 +10,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "vec.h"
+
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t bits = (uint32_t)h << 16;
     float f;
@@ -37,20 +39,8 @@ static inline void store(void *p, int64_t i, float f, int dtype) {
     else ((uint16_t *)p)[i] = f32_to_bf16(f);
 }
 
-/* The same on 16 lanes (GCC vector extensions: AVX-512 here, whatever -march=native offers elsewhere). */
-typedef float vf16 __attribute__((vector_size(64)));
-typedef uint32_t vu16 __attribute__((vector_size(64)));
-typedef int32_t vi16 __attribute__((vector_size(64)));
-typedef uint16_t vh16 __attribute__((vector_size(32)));
-
-static inline vu16 bits_of(vf16 f) { vu16 u; memcpy(&u, &f, sizeof u); return u; }
-static inline vf16 float_of(vu16 u) { vf16 f; memcpy(&f, &u, sizeof f); return f; }
-
 static inline vf16 vload(const void *p, int64_t i, int dtype) {
-    if (dtype == 0) { vf16 v; memcpy(&v, (const float *)p + i, sizeof v); return v; }
-    vh16 h;
-    memcpy(&h, (const uint16_t *)p + i, sizeof h);
-    return float_of(__builtin_convertvector(h, vu16) << 16);
+    return dtype == 0 ? vload_f32((const float *)p + i) : vload_bf16((const uint16_t *)p + i);
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -84,24 +74,6 @@ static inline void vstore(void *p, int64_t i, vf16 f, int dtype) {
     vh16 h = __builtin_convertvector(bits_of(vround_to(f, 1)) >> 16, vh16);
 #endif
     memcpy((uint16_t *)p + i, &h, sizeof h);
-}
-
-/* exp on 16 lanes for x in [-87, 88] (clamped outside): x = n ln2 + r, exp(r) by a degree-6
- * polynomial, 2^n in the exponent bits. Relative error about 2e-7. */
-static inline vf16 vexp(vf16 x) {
-    x = float_of((bits_of(x) & (vu16)(x >= -87.0f)) | (bits_of((vf16){0} - 87.0f) & (vu16)(x < -87.0f)));
-    x = float_of((bits_of(x) & (vu16)(x <= 88.0f)) | (bits_of((vf16){0} + 88.0f) & (vu16)(x > 88.0f)));
-    vf16 n = __builtin_convertvector(__builtin_convertvector(x * 1.44269504088896341f
-                                     + float_of((bits_of(x) & 0x80000000u) | bits_of((vf16){0} + 0.5f)), vi16), vf16);
-    vf16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    vf16 p = (vf16){0} + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    return p * float_of((vu16)((__builtin_convertvector(n, vi16) + 127) << 23));
 }
 
 /* Llama's RMSNorm: y = w * to_dtype(x * rsqrt(mean(x^2) + eps)), statistics in float32.

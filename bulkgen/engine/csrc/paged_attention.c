@@ -25,26 +25,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vec.h"
+
 #define MAX_GROUP 64
 #define MAX_HEADS 256
 #ifndef PREFETCH_BLOCKS
 #define PREFETCH_BLOCKS 2  /* how far ahead the next blocks are prefetched */
 #endif
-typedef float vf16 __attribute__((vector_size(64)));
-typedef uint32_t vu16 __attribute__((vector_size(64)));
-typedef uint16_t vh16 __attribute__((vector_size(32)));
-
-static inline vf16 vload_f32(const float *p) { vf16 v; memcpy(&v, p, sizeof v); return v; }
-
-static inline vf16 vload_bf16(const uint16_t *p) {
-    vh16 h;
-    memcpy(&h, p, sizeof h);
-    vu16 bits = __builtin_convertvector(h, vu16) << 16;
-    vf16 v;
-    memcpy(&v, &bits, sizeof v);
-    return v;
-}
-
 static inline float sload_f32(const float *p, int64_t i) { return p[i]; }
 
 static inline float sload_bf16(const uint16_t *p, int64_t i) {
@@ -56,7 +43,6 @@ static inline float sload_bf16(const uint16_t *p, int64_t i) {
 
 typedef float vf8 __attribute__((vector_size(32)));
 typedef float vf4 __attribute__((vector_size(16)));
-typedef int32_t vi16 __attribute__((vector_size(64)));
 
 /* Sum of 16 lanes as a tree (a lane-by-lane loop is a chain of 16 dependent adds). */
 static inline float hsum(vf16 v) {
@@ -64,37 +50,6 @@ static inline float hsum(vf16 v) {
           + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
     vf4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
     return (b[0] + b[2]) + (b[1] + b[3]);
-}
-
-/* exp(x) for x <= 0 on 16 lanes: x = n ln2 + r, exp(r) by a degree-6 polynomial, 2^n in the exponent
- * bits. Relative error about 2e-7; inputs below -87 give 0. */
-static inline vf16 vexp(vf16 x) {
-    vi16 keep = x >= -87.0f;  /* all ones where exp(x) is representable */
-    vf16 floor_x = (vf16){0} - 87.0f;
-    vi16 low = x < floor_x;
-    vi16 xi, fi;
-    memcpy(&xi, &x, sizeof xi);
-    memcpy(&fi, &floor_x, sizeof fi);
-    xi = (xi & ~low) | (fi & low);
-    memcpy(&x, &xi, sizeof x);
-    vf16 n = __builtin_convertvector(__builtin_convertvector(x * 1.44269504088896341f - 0.5f, vi16), vf16);
-    vf16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    vf16 p = (vf16){0} + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    vi16 bits = (__builtin_convertvector(n, vi16) + 127) << 23;
-    vf16 scale;
-    memcpy(&scale, &bits, sizeof scale);
-    vi16 out;
-    vf16 product = p * scale;
-    memcpy(&out, &product, sizeof out);
-    out &= keep;
-    memcpy(&product, &out, sizeof out);
-    return product;
 }
 
 static inline vf16 vmax(vf16 a, vf16 b) {
