@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bulkgen.engine.attention import AttentionMetadata, _decode_kernel, decode_torch, write_kv
+from bulkgen.engine.attention import (
+    AttentionMetadata,
+    _decode_kernel,
+    decode_torch,
+    gather_k,
+    k_block_shape,
+    write_kv,
+)
 from bulkgen.engine.kernels import load_cpu_kernels
 
 
@@ -22,7 +29,7 @@ def test_kernel_matches_torch(dtype: torch.dtype, head_dim: int, block_size: int
     """Vectorised paths (head_dim 64/128, blocks a multiple of 16) and the plain loop (the rest)."""
     torch.manual_seed(head_dim + group + block_size)
     num_blocks, kv_heads, seqs = 64, 2, 5
-    k = torch.randn(num_blocks, kv_heads, head_dim, block_size).to(dtype)  # K transposed in its block
+    k = torch.randn(num_blocks, *k_block_shape(kv_heads, head_dim, block_size, dtype)).to(dtype)  # K transposed
     v = torch.randn(num_blocks, kv_heads, block_size, head_dim).to(dtype)
     tables = torch.randperm(num_blocks)[:seqs * 6].view(seqs, 6).int()
     lens = torch.tensor([1, 7, block_size, 2 * block_size + 1, 6 * block_size], dtype=torch.int32)
@@ -43,11 +50,13 @@ def test_kernel_write_matches_torch(dtype: torch.dtype) -> None:
     value = torch.randn(tokens, kv_heads, head_dim).to(dtype)
     caches = []
     for kernel in (_kernel(), None):
-        k = torch.zeros(num_blocks, kv_heads, head_dim, block_size, dtype=dtype)
+        k = torch.zeros(num_blocks, *k_block_shape(kv_heads, head_dim, block_size, dtype), dtype=dtype)
         v = torch.zeros(num_blocks, kv_heads, block_size, head_dim, dtype=dtype)
         meta = AttentionMetadata([k], [v], slots, slots // block_size, slots % block_size, 0, None, None, 0, [], kernel)
         write_kv(meta, key, value, k, v)
         caches.append((k, v))
     (k_c, v_c), (k_t, v_t) = caches
     assert torch.equal(k_c, k_t) and torch.equal(v_c, v_t)
-    assert torch.equal(k_t[slots // block_size, :, :, slots % block_size], key)
+    assert torch.equal(gather_k(k_t, slots // block_size, slots % block_size), key)
+    if dtype == torch.bfloat16:  # dims in pairs: dims 2p and 2p + 1 of a row side by side
+        assert torch.equal(k_t[slots[0] // block_size, 0, 1, slots[0] % block_size], key[0, 0, 2:4])

@@ -21,6 +21,20 @@ import torch.nn.functional as F
 ATTENTION_NAME = "bulkgen_paged"
 
 
+def k_block_shape(num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> tuple[int, ...]:
+    """One block of K: [num_kv_heads, head_dim / P, block_size, P], transposed (dims outer, rows inner)
+    so that decode attention scores 16 rows per vector. P = 2 for 2-byte types (bfloat16: dims in
+    pairs, the operand of AVX512-BF16's dot-product instruction), else 1."""
+    pair = 2 if torch.empty((), dtype=dtype).element_size() == 2 and head_dim % 2 == 0 else 1
+    return (num_kv_heads, head_dim // pair, block_size, pair)
+
+
+def gather_k(k_cache: torch.Tensor, blocks: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Keys at (block, row) pairs of a layer's K cache -> [n, num_kv_heads, head_dim]."""
+    k = k_cache[blocks, :, :, rows]  # [n, kv_heads, head_dim / P, P]
+    return k.reshape(k.shape[0], k.shape[1], -1)
+
+
 @dataclass
 class PrefillChunk:
     offset: int  # first token of the chunk in the flattened batch
@@ -35,7 +49,7 @@ class PrefillChunk:
 class AttentionMetadata:
     """What every layer's attention needs for one step (built once per step by the runner)."""
 
-    k_caches: list[torch.Tensor]  # per layer: [num_blocks, num_kv_heads, head_dim, block_size] (transposed)
+    k_caches: list[torch.Tensor]  # per layer: [num_blocks, *k_block_shape(...)] (K transposed in its block)
     v_caches: list[torch.Tensor]  # per layer: [num_blocks, num_kv_heads, block_size, head_dim]
     slots: torch.Tensor  # [num_tokens] int64: block * block_size + row of each new token's K/V
     slot_blocks: torch.Tensor  # [num_tokens] int64: the block of each new token's K/V
@@ -73,7 +87,7 @@ def attend(meta: AttentionMetadata, layer: int, query: torch.Tensor, key: torch.
     num_decodes = meta.num_decode_tokens
     if num_decodes:
         q = query[:num_decodes]  # [num_decodes, num_heads, head_dim]
-        if meta.kernel is not None:
+        if meta.kernel is not None and _kernel_layout(k_cache):
             out[:num_decodes] = _decode_kernel(meta, q, k_cache, v_cache, scale)
         else:
             out[:num_decodes] = decode_torch(q, k_cache, v_cache, meta.decode_block_tables,
@@ -87,7 +101,7 @@ def attend(meta: AttentionMetadata, layer: int, query: torch.Tensor, key: torch.
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         else:
             # [ctx, kv_heads, d] gathered from the blocks -> [1, kv_heads, ctx, d]
-            k = k_cache[chunk.context_blocks, :, :, chunk.context_offsets].transpose(0, 1).unsqueeze(0)
+            k = gather_k(k_cache, chunk.context_blocks, chunk.context_offsets).transpose(0, 1).unsqueeze(0)
             v = v_cache[chunk.context_blocks, :, chunk.context_offsets].transpose(0, 1).unsqueeze(0)
             if chunk.mask is None:
                 # A short cached start (a prefix-cache hit): pad the queries in front so that torch's causal
@@ -105,14 +119,14 @@ def attend(meta: AttentionMetadata, layer: int, query: torch.Tensor, key: torch.
 def write_kv(meta: AttentionMetadata, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
              v_cache: torch.Tensor) -> None:
     """Store the step's new keys and values ([num_tokens, num_kv_heads, head_dim] each) in their slots."""
-    if meta.kernel is not None and key.stride(-1) == 1 and value.stride(-1) == 1:
+    if meta.kernel is not None and _kernel_layout(k_cache) and key.stride(-1) == 1 and value.stride(-1) == 1:
         num_tokens, num_kv_heads, head_dim = key.shape
         function = meta.kernel.write_kv_4 if key.element_size() == 4 else meta.kernel.write_kv_2
         function(key.data_ptr(), value.data_ptr(), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
                  meta.slots.data_ptr(), num_tokens, k_cache.data_ptr(), v_cache.data_ptr(), num_kv_heads, head_dim,
                  v_cache.shape[2])
         return
-    k_cache[meta.slot_blocks, :, :, meta.slot_offsets] = key
+    k_cache[meta.slot_blocks, :, :, meta.slot_offsets] = key.reshape(*key.shape[:2], -1, k_cache.shape[-1])
     v_cache[meta.slot_blocks, :, meta.slot_offsets] = value
 
 
@@ -122,13 +136,18 @@ def decode_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     num_seqs, max_blocks = block_tables.shape
     _, num_kv_heads, block_size, head_dim = v_cache.shape
     index = block_tables.long()
-    # [seqs, blocks, kv_heads, block_size, d] -> [seqs, kv_heads, blocks * block_size, d]
-    k = k_cache[index].permute(0, 2, 1, 4, 3).reshape(num_seqs, num_kv_heads, max_blocks * block_size, head_dim)
+    # K [seqs, blocks, kv_heads, d / P, block_size, P] -> [seqs, kv_heads, blocks * block_size, d]
+    k = k_cache[index].permute(0, 2, 1, 4, 3, 5).reshape(num_seqs, num_kv_heads, max_blocks * block_size, head_dim)
     v = v_cache[index].transpose(1, 2).reshape(num_seqs, num_kv_heads, max_blocks * block_size, head_dim)
     positions = torch.arange(max_blocks * block_size, device=q.device)
     mask = (positions[None, :] < context_lens[:, None].to(q.device))[:, None, None, :]  # [seqs, 1, 1, ctx]
     o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return o[:, :, 0]  # [num_seqs, num_heads, head_dim]
+
+
+def _kernel_layout(k_cache: torch.Tensor) -> bool:
+    """Whether the C kernels know this K layout: 4-byte groups of dims (float32 alone, bfloat16 in pairs)."""
+    return k_cache.shape[-1] * k_cache.element_size() == 4
 
 
 def _decode_kernel(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -68,11 +68,13 @@ class ModelRunner:
                               "bytes with --kv-cache-memory")
         # One allocation, never grown: [K|V, layer, block, kv_head, row, head_dim]. Head-major blocks keep
         # one head's part of a block contiguous, which is how decode attention reads them; K is stored
-        # transposed within its block ([head_dim, row]) so that decode scores 16 tokens per vector.
+        # transposed within its block ([head_dim, row], dims in pairs for 2-byte types) so that decode
+        # scores 16 tokens per vector (attention.k_block_shape).
         shape = (self.num_layers, self.num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
         self.kv_cache = _zeros_on_huge_pages((2, *shape), self.dtype, self.device)
         self.kv_cache_bytes = self.kv_cache.numel() * element
-        self._k_caches = list(self.kv_cache[0].view(*shape[:3], self.head_dim, self.block_size))
+        k_shape = attention.k_block_shape(self.num_kv_heads, self.head_dim, self.block_size, self.dtype)
+        self._k_caches = list(self.kv_cache[0].view(*shape[:2], *k_shape))
         self._v_caches = list(self.kv_cache[1])
 
     @property

@@ -4,7 +4,8 @@
  *
  * Layouts (row-major):
  *   q, out           [num_seqs, num_heads, head_dim]                   float32
- *   k_cache          [num_blocks, num_kv_heads, head_dim, block_size]  float32 or bfloat16
+ *   k_cache          [num_blocks, num_kv_heads, head_dim, block_size]  float32
+ *                    [num_blocks, num_kv_heads, head_dim / 2, block_size, 2]  bfloat16 (dims in pairs)
  *   v_cache          [num_blocks, num_kv_heads, block_size, head_dim]  float32 or bfloat16
  *                    (head-major blocks: one head's part of a block is contiguous; K transposed)
  *   block_tables     [num_seqs, block_table_stride]                    int32
@@ -16,7 +17,9 @@
  * runs are a third as long). Two passes: scores over K, then the weighted sum over V.
  * K is transposed within its block so that the scores of 16 tokens are one vector (q[d] broadcast
  * over row d of the block): no horizontal sum per token, which halved the work of the first pass.
- * bfloat16 blocks are converted to float32 once per KV head, not once per query head.
+ * bfloat16 K keeps dims in pairs so that AVX512-BF16's vdpbf16ps takes 16 tokens × 2 dims per
+ * instruction straight from the block (no conversion; half the instructions of the float32 pass);
+ * bfloat16 V is converted as it is loaded.
  * Head dims 64 and 128 with block sizes a multiple of 16 get vectorised versions (GCC vector
  * extensions: AVX-512, AVX2 or whatever -march=native offers); others take a plain loop.
  */
@@ -32,6 +35,25 @@
 #ifndef PREFETCH_BLOCKS
 #define PREFETCH_BLOCKS 2  /* how far ahead the next blocks are prefetched */
 #endif
+#ifndef PREFETCH_LOCALITY
+#define PREFETCH_LOCALITY 1
+#endif
+/* Prefetch one KV head's part (bytes long) of a block still to come, into L2: a head at a time, so that
+ * the requests spread over the work on the current block instead of arriving as one burst. */
+static inline void prefetch_head(const char *block, int kv_head, int64_t bytes) {
+    if (block == NULL) return;
+    const char *part = block + kv_head * bytes;
+    for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(part + c, 0, PREFETCH_LOCALITY);
+}
+
+/* Whether to prefetch the block PREFETCH_BLOCKS ahead of block i: it exists, and it does not directly
+ * follow the block before it in memory (a contiguous run the hardware prefetcher streams by itself, and
+ * faster: software prefetches there cost a third). */
+static inline int ahead(int i, int ctx, int block_size, const int32_t *table) {
+    const int j = i + PREFETCH_BLOCKS;
+    return j * block_size < ctx && table[j] != table[j - 1] + 1;
+}
+
 static inline float sload_f32(const float *p, int64_t i) { return p[i]; }
 
 static inline float sload_bf16(const uint16_t *p, int64_t i) {
@@ -86,21 +108,10 @@ static void softmax_rows(float *scores, float *inv_sums, int group, int ctx, int
     }
 }
 
-/* A block's rows of one KV head as float32: the block itself when the cache is float32, else converted
- * once into `scratch` (n elements, a multiple of 16), so that every query head of the group reads float32. */
-static inline const float *rows_f32(const float *p, float *scratch, int n) { (void)scratch; (void)n; return p; }
-
-static inline const float *rows_bf16(const uint16_t *p, float *scratch, int n) {
-    for (int i = 0; i < n; i += 16) {
-        vf16 v = vload_bf16(p + i);
-        memcpy(scratch + i, &v, sizeof v);
-    }
-    return scratch;
-}
-
-/* Scores of 16 tokens (column v0 of a K block transposed, [HD][block_size]) for G query heads of one
- * KV head: each K vector is loaded once for the G heads; two accumulators per head hide FMA latency. */
-#define K_TILE(G)                                                                                       \
+/* Scores of 16 tokens (tokens v0..v0+15 of a K block) for G query heads of one KV head: each K vector
+ * is loaded once for the G heads; two accumulators per head hide FMA latency.
+ * float32 K block: [HD][block_size]; q[d] broadcast over row d. */
+#define K_TILE_F32(G)                                                                                   \
     do {                                                                                                \
         vf16 acc[G][2];                                                                                 \
         for (int g = 0; g < (G); g++) acc[g][0] = acc[g][1] = (vf16){0};                               \
@@ -118,9 +129,57 @@ static inline const float *rows_bf16(const uint16_t *p, float *scratch, int n) {
         }                                                                                               \
     } while (0)
 
-/* The weighted sum over a V block ([n][HD]) for G query heads of one KV head: each V vector is
- * loaded once for the G heads. */
-#define V_TILE(G)                                                                                       \
+/* bfloat16 K block: dims in pairs, [HD/2][block_size][2], so 64 bytes hold dims 2p and 2p+1 of 16
+ * tokens. With AVX512-BF16 one vdpbf16ps multiplies them by the query's pair (q is bfloat16-exact: the
+ * model computed it in bfloat16) and adds both products; otherwise the pair splits into two float32
+ * vectors with a shift and a mask. */
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#define K_TILE_BF16(G)                                                                                  \
+    do {                                                                                                \
+        __m512 acc[G][2];                                                                               \
+        for (int g = 0; g < (G); g++) acc[g][0] = acc[g][1] = _mm512_setzero_ps();                     \
+        for (int p = 0; p < HDIM / 2; p += 2) {                                                         \
+            const __m512i k0 = _mm512_loadu_si512(kt + ((int64_t)p * block_size + v0) * 2);            \
+            const __m512i k1 = _mm512_loadu_si512(kt + ((int64_t)(p + 1) * block_size + v0) * 2);      \
+            for (int g = 0; g < (G); g++) {                                                             \
+                acc[g][0] = _mm512_dpbf16_ps(acc[g][0], (__m512bh)k0,                                   \
+                                             (__m512bh)_mm512_set1_epi32((int)qp[g * HDIM / 2 + p]));   \
+                acc[g][1] = _mm512_dpbf16_ps(acc[g][1], (__m512bh)k1,                                   \
+                                             (__m512bh)_mm512_set1_epi32((int)qp[g * HDIM / 2 + p + 1])); \
+            }                                                                                           \
+        }                                                                                               \
+        for (int g = 0; g < (G); g++) {                                                                 \
+            vf16 sc;                                                                                    \
+            __m512 sum = _mm512_mul_ps(_mm512_add_ps(acc[g][0], acc[g][1]), _mm512_set1_ps(scale));      \
+            memcpy(&sc, &sum, sizeof sc);                                                               \
+            memcpy(st + (int64_t)g * ctx_pad + v0, &sc, sizeof sc);                                     \
+        }                                                                                               \
+    } while (0)
+#else
+#define K_TILE_BF16(G)                                                                                  \
+    do {                                                                                                \
+        vf16 acc[G][2];                                                                                 \
+        for (int g = 0; g < (G); g++) acc[g][0] = acc[g][1] = (vf16){0};                               \
+        for (int p = 0; p < HDIM / 2; p++) {                                                            \
+            vu16 pair;                                                                                  \
+            memcpy(&pair, kt + ((int64_t)p * block_size + v0) * 2, sizeof pair);                        \
+            const vf16 k0 = float_of(pair << 16), k1 = float_of(pair & 0xffff0000u);                    \
+            for (int g = 0; g < (G); g++) {                                                             \
+                acc[g][0] += qt[g * HDIM + 2 * p] * k0;                                                 \
+                acc[g][1] += qt[g * HDIM + 2 * p + 1] * k1;                                             \
+            }                                                                                           \
+        }                                                                                               \
+        for (int g = 0; g < (G); g++) {                                                                 \
+            vf16 sc = (acc[g][0] + acc[g][1]) * scale;                                                  \
+            memcpy(st + (int64_t)g * ctx_pad + v0, &sc, sizeof sc);                                     \
+        }                                                                                               \
+    } while (0)
+#endif
+
+/* The weighted sum over a V block ([n][HD], converted as loaded) for G query heads of one KV head:
+ * each V vector is loaded once for the G heads. */
+#define V_TILE(G, VLOAD)                                                                                     \
     do {                                                                                                \
         vf16 acc[G][HDIM / 16];                                                                         \
         for (int g = 0; g < (G); g++)                                                                   \
@@ -129,7 +188,7 @@ static inline const float *rows_bf16(const uint16_t *p, float *scratch, int n) {
             float p[G];                                                                                 \
             for (int g = 0; g < (G); g++) p[g] = pt[(int64_t)g * ctx_pad + j];                          \
             for (int c = 0; c < HDIM / 16; c++) {                                                       \
-                const vf16 v = vload_f32(vb + j * HDIM + 16 * c);                                       \
+                const vf16 v = VLOAD(vb + j * HDIM + 16 * c);                                           \
                 for (int g = 0; g < (G); g++) acc[g][c] += p[g] * v;                                    \
             }                                                                                           \
         }                                                                                               \
@@ -138,28 +197,29 @@ static inline const float *rows_bf16(const uint16_t *p, float *scratch, int n) {
     } while (0)
 
 /* One sequence, all heads; block_size a multiple of 16, head_dim HD a multiple of 16.
- * Scores: K is stored transposed in each block ([head_dim][block_size]), so 16 tokens' scores are one
- * vector built by broadcasting q[d] over row d: no horizontal sums. Query heads sharing a KV head go
- * in tiles of up to TILE heads, so each K and V vector feeds several FMAs. scores: [num_heads, ctx_pad]. */
-#define DEFINE_SEQ_VEC(NAME, T, ROWS, HD)                                                               \
-static void NAME(const float *qs, const T *k_cache, const T *v_cache, const int32_t *table, int ctx,   \
-                 float *os, float *scores, float *scratch, int group, int num_kv_heads,                 \
+ * Scores: K is stored transposed in each block, so 16 tokens' scores are one vector: no horizontal
+ * sums. Query heads sharing a KV head go in tiles of up to TILE heads, so each K and V vector feeds
+ * several FMAs. scores: [num_heads, ctx_pad]; qpairs: the query as bfloat16 pairs (bfloat16 path). */
+#define DEFINE_SEQ_VEC(NAME, T, K_TILE, VLOAD, HD)                                                      \
+static void NAME(const float *qs, const uint32_t *qpairs, const T *k_cache, const T *v_cache,          \
+                 const int32_t *table, int ctx, float *os, float *scores, int group, int num_kv_heads,  \
                  int64_t head_stride, int64_t block_stride, int block_size, float scale) {              \
     enum { HDIM = (HD), TILE = (HD) == 64 ? 4 : 2 };                                                    \
+    (void)qpairs;                                                                                       \
     const int num_heads = group * num_kv_heads;                                                         \
     const int ctx_pad = (ctx + block_size - 1) / block_size * block_size;                              \
     for (int t0 = 0; t0 < ctx; t0 += block_size) {                                                      \
         const T *kb0 = k_cache + (int64_t)table[t0 / block_size] * block_stride;                        \
-        if (t0 + PREFETCH_BLOCKS * block_size < ctx) {                                                  \
-            const char *next = (const char *)(k_cache                                                   \
-                + (int64_t)table[t0 / block_size + PREFETCH_BLOCKS] * block_stride);                    \
-            for (int c = 0; c < (int)(sizeof(T) * block_stride); c += 64) __builtin_prefetch(next + c); \
-        }                                                                                               \
+        const char *next = ahead(t0 / block_size, ctx, block_size, table) ? (const char *)(k_cache  \
+            + (int64_t)table[t0 / block_size + PREFETCH_BLOCKS] * block_stride) : NULL;                \
         for (int kh = 0; kh < num_kv_heads; kh++) {                                                     \
-            const float *kt = ROWS(kb0 + (int64_t)kh * head_stride, scratch, (int)head_stride);         \
+            const T *kt = kb0 + (int64_t)kh * head_stride;                                              \
+            prefetch_head(next, kh, sizeof(T) * head_stride);                                           \
             for (int g0 = 0; g0 < group; g0 += TILE) {                                                  \
                 const int h = kh * group + g0;                                                          \
                 const float *qt = qs + (int64_t)h * HDIM;                                               \
+                const uint32_t *qp = qpairs + (int64_t)h * HDIM / 2;                                    \
+                (void)qt; (void)qp;                                                                     \
                 float *st = scores + (int64_t)h * ctx_pad + t0;                                         \
                 for (int v0 = 0; v0 < block_size; v0 += 16) {                                           \
                     switch (group - g0 < TILE ? group - g0 : TILE) {                                    \
@@ -178,22 +238,20 @@ static void NAME(const float *qs, const T *k_cache, const T *v_cache, const int3
     for (int t0 = 0; t0 < ctx; t0 += block_size) {                                                      \
         const T *vb0 = v_cache + (int64_t)table[t0 / block_size] * block_stride;                        \
         const int n = ctx - t0 < block_size ? ctx - t0 : block_size;                                    \
-        if (t0 + PREFETCH_BLOCKS * block_size < ctx) {                                                  \
-            const char *next = (const char *)(v_cache                                                   \
-                + (int64_t)table[t0 / block_size + PREFETCH_BLOCKS] * block_stride);                    \
-            for (int c = 0; c < (int)(sizeof(T) * block_stride); c += 64) __builtin_prefetch(next + c); \
-        }                                                                                               \
+        const char *next = ahead(t0 / block_size, ctx, block_size, table) ? (const char *)(v_cache  \
+            + (int64_t)table[t0 / block_size + PREFETCH_BLOCKS] * block_stride) : NULL;                \
         for (int kh = 0; kh < num_kv_heads; kh++) {                                                     \
-            const float *vb = ROWS(vb0 + (int64_t)kh * head_stride, scratch, n * HDIM);                 \
+            const T *vb = vb0 + (int64_t)kh * head_stride;                                              \
+            prefetch_head(next, kh, sizeof(T) * head_stride);                                           \
             for (int g0 = 0; g0 < group; g0 += TILE) {                                                  \
                 const int h = kh * group + g0;                                                          \
                 const float *pt = scores + (int64_t)h * ctx_pad + t0;                                   \
                 float *ot = os + (int64_t)h * HDIM;                                                     \
                 switch (group - g0 < TILE ? group - g0 : TILE) {                                        \
-                    case 1: V_TILE(1); break;                                                           \
-                    case 2: V_TILE(2); break;                                                           \
-                    case 3: V_TILE(3); break;                                                           \
-                    default: V_TILE(TILE); break;                                                       \
+                    case 1: V_TILE(1, VLOAD); break;                                                           \
+                    case 2: V_TILE(2, VLOAD); break;                                                           \
+                    case 3: V_TILE(3, VLOAD); break;                                                           \
+                    default: V_TILE(TILE, VLOAD); break;                                                       \
                 }                                                                                       \
             }                                                                                           \
         }                                                                                               \
@@ -202,8 +260,9 @@ static void NAME(const float *qs, const T *k_cache, const T *v_cache, const int3
         for (int i = 0; i < HDIM; i++) os[(int64_t)h * HDIM + i] *= inv_sums[h];                        \
 }
 
-/* Any head_dim or block size: plain loops, one sequence, all heads. */
-#define DEFINE_SEQ_SCALAR(NAME, T, SLOAD)                                                               \
+/* Any head_dim or block size: plain loops, one sequence, all heads. K rows in groups of P dims
+ * (P = 1: float32, [HD][block_size]; P = 2: bfloat16, [HD/2][block_size][2]). */
+#define DEFINE_SEQ_SCALAR(NAME, T, SLOAD, P)                                                            \
 static void NAME(const float *qs, const T *k_cache, const T *v_cache, const int32_t *table, int ctx,   \
                  float *os, float *scores, int group, int num_kv_heads, int64_t head_stride,            \
                  int64_t block_stride, int block_size, float scale, int head_dim) {                     \
@@ -211,10 +270,11 @@ static void NAME(const float *qs, const T *k_cache, const T *v_cache, const int3
     for (int h = 0; h < num_heads; h++) {                                                               \
         for (int t = 0; t < ctx; t++) {                                                                 \
             const T *kt = k_cache + (int64_t)table[t / block_size] * block_stride                       \
-                          + (int64_t)(h / group) * head_stride + t % block_size;                        \
+                          + (int64_t)(h / group) * head_stride + (t % block_size) * (P);                \
             float acc = 0.0f;                                                                           \
             for (int i = 0; i < head_dim; i++)                                                          \
-                acc += qs[(int64_t)h * head_dim + i] * SLOAD(kt, (int64_t)i * block_size);              \
+                acc += qs[(int64_t)h * head_dim + i]                                                    \
+                       * SLOAD(kt, (int64_t)(i / (P)) * block_size * (P) + i % (P));                    \
             scores[(int64_t)h * ctx + t] = acc * scale;                                                 \
         }                                                                                               \
     }                                                                                                   \
@@ -231,6 +291,13 @@ static void NAME(const float *qs, const T *k_cache, const T *v_cache, const int3
     }                                                                                                   \
 }
 
+/* float32 -> bfloat16 bits, rounded to nearest even (exact for the bfloat16 model's queries). */
+static inline uint32_t bf16_bits(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    return (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+}
+
 #define DEFINE_PAGED_DECODE(NAME, T, SEQ64, SEQ128, SEQ_ANY)                                            \
 int NAME(const float *q, const T *k_cache, const T *v_cache, const int32_t *block_tables,              \
          int64_t block_table_stride, const int32_t *context_lens, float *out, int num_seqs,             \
@@ -242,11 +309,13 @@ int NAME(const float *q, const T *k_cache, const T *v_cache, const int32_t *bloc
     const int64_t block_stride = (int64_t)num_kv_heads * head_stride;                                   \
     const int vectorised = block_size % 16 == 0 && (head_dim == 64 || head_dim == 128);                \
     const int64_t ctx_pad = (int64_t)(max_context_len + block_size - 1) / block_size * block_size;     \
+    const int pairs = sizeof(T) == 2;                                                                   \
     int failed = 0;                                                                                     \
     _Pragma("omp parallel num_threads(num_threads)")                                                    \
     {                                                                                                   \
-        float *scores = malloc(sizeof(float) * ((size_t)num_heads * (size_t)ctx_pad + (size_t)head_stride)); \
-        float *scratch = scores + (size_t)num_heads * (size_t)ctx_pad;                                  \
+        float *scores = malloc(sizeof(float) * ((size_t)num_heads * (size_t)ctx_pad                     \
+                                                + (size_t)num_heads * (size_t)head_dim / 2 + 1));       \
+        uint32_t *qpairs = (uint32_t *)(scores + (size_t)num_heads * (size_t)ctx_pad);                  \
         if (scores == NULL) failed = 1;                                                                 \
         _Pragma("omp for schedule(dynamic, 1)")                                                         \
         for (int s = 0; s < num_seqs; s++) {                                                            \
@@ -254,11 +323,14 @@ int NAME(const float *q, const T *k_cache, const T *v_cache, const int32_t *bloc
             const int32_t *table = block_tables + (int64_t)s * block_table_stride;                      \
             const float *qs = q + (int64_t)s * num_heads * head_dim;                                    \
             float *os = out + (int64_t)s * num_heads * head_dim;                                        \
+            if (pairs && vectorised)                                                                    \
+                for (int i = 0; i < num_heads * head_dim / 2; i++)                                      \
+                    qpairs[i] = bf16_bits(qs[2 * i]) | bf16_bits(qs[2 * i + 1]) << 16;                  \
             if (vectorised && head_dim == 64)                                                           \
-                SEQ64(qs, k_cache, v_cache, table, context_lens[s], os, scores, scratch, group,         \
+                SEQ64(qs, qpairs, k_cache, v_cache, table, context_lens[s], os, scores, group,          \
                       num_kv_heads, head_stride, block_stride, block_size, scale);                      \
             else if (vectorised)                                                                        \
-                SEQ128(qs, k_cache, v_cache, table, context_lens[s], os, scores, scratch, group,        \
+                SEQ128(qs, qpairs, k_cache, v_cache, table, context_lens[s], os, scores, group,         \
                        num_kv_heads, head_stride, block_stride, block_size, scale);                     \
             else                                                                                        \
                 SEQ_ANY(qs, k_cache, v_cache, table, context_lens[s], os, scores, group, num_kv_heads,  \
@@ -269,21 +341,21 @@ int NAME(const float *q, const T *k_cache, const T *v_cache, const int32_t *bloc
     return failed;                                                                                      \
 }
 
-DEFINE_SEQ_VEC(seq64_f32, float, rows_f32, 64)
-DEFINE_SEQ_VEC(seq128_f32, float, rows_f32, 128)
-DEFINE_SEQ_SCALAR(seq_any_f32, float, sload_f32)
-DEFINE_SEQ_VEC(seq64_bf16, uint16_t, rows_bf16, 64)
-DEFINE_SEQ_VEC(seq128_bf16, uint16_t, rows_bf16, 128)
-DEFINE_SEQ_SCALAR(seq_any_bf16, uint16_t, sload_bf16)
+DEFINE_SEQ_VEC(seq64_f32, float, K_TILE_F32, vload_f32, 64)
+DEFINE_SEQ_VEC(seq128_f32, float, K_TILE_F32, vload_f32, 128)
+DEFINE_SEQ_SCALAR(seq_any_f32, float, sload_f32, 1)
+DEFINE_SEQ_VEC(seq64_bf16, uint16_t, K_TILE_BF16, vload_bf16, 64)
+DEFINE_SEQ_VEC(seq128_bf16, uint16_t, K_TILE_BF16, vload_bf16, 128)
+DEFINE_SEQ_SCALAR(seq_any_bf16, uint16_t, sload_bf16, 2)
 
 DEFINE_PAGED_DECODE(paged_decode_f32, float, seq64_f32, seq128_f32, seq_any_f32)
 DEFINE_PAGED_DECODE(paged_decode_bf16, uint16_t, seq64_bf16, seq128_bf16, seq_any_bf16)
 
 /* Write the new tokens' keys and values into their cache slots (slot = block * block_size + row), K
- * transposed within its block. key, value: [num_tokens, num_kv_heads, head_dim] with the given token
- * and head strides in elements, head_dim contiguous. One version per element size (4: float32,
- * 2: bfloat16 or float16). */
-#define DEFINE_WRITE_KV(NAME, T)                                                                        \
+ * transposed within its block in groups of P dims ([HD/P][block_size][P]). key, value: [num_tokens,
+ * num_kv_heads, head_dim] with the given token and head strides in elements, head_dim contiguous.
+ * write_kv_4: float32 (P = 1); write_kv_2: bfloat16 (P = 2, head_dim even). */
+#define DEFINE_WRITE_KV(NAME, T, P)                                                                     \
 void NAME(const T *key, const T *value, int64_t k_token_stride, int64_t k_head_stride,                 \
           int64_t v_token_stride, int64_t v_head_stride, const int64_t *slots, int num_tokens,          \
           T *k_cache, T *v_cache, int num_kv_heads, int head_dim, int block_size) {                     \
@@ -292,13 +364,14 @@ void NAME(const T *key, const T *value, int64_t k_token_stride, int64_t k_head_s
         for (int kh = 0; kh < num_kv_heads; kh++) {                                                     \
             const int64_t base = (block * num_kv_heads + kh) * head_dim * block_size;                   \
             const T *ks = key + t * k_token_stride + kh * k_head_stride;                                \
-            T *kt = k_cache + base + row;                                                               \
-            for (int d = 0; d < head_dim; d++) kt[(int64_t)d * block_size] = ks[d];                     \
+            T *kt = k_cache + base + row * (P);                                                         \
+            for (int d = 0; d < head_dim; d += (P))                                                     \
+                memcpy(kt + (int64_t)d * block_size, ks + d, sizeof(T) * (P));                          \
             memcpy(v_cache + base + row * head_dim, value + t * v_token_stride + kh * v_head_stride,    \
                    sizeof(T) * (size_t)head_dim);                                                       \
         }                                                                                               \
     }                                                                                                   \
 }
 
-DEFINE_WRITE_KV(write_kv_4, uint32_t)
-DEFINE_WRITE_KV(write_kv_2, uint16_t)
+DEFINE_WRITE_KV(write_kv_4, uint32_t, 1)
+DEFINE_WRITE_KV(write_kv_2, uint16_t, 2)
