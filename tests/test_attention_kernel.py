@@ -16,8 +16,8 @@ from bulkgen.engine.attention import (
 from bulkgen.engine.kernels import load_cpu_kernels
 
 
-def _kernel():
-    kernel = load_cpu_kernels()
+def _kernel(*extra_flags: str):
+    kernel = load_cpu_kernels(extra_flags)
     assert kernel is not None, "the kernel builds wherever gcc is present (CI has it)"
     return kernel
 
@@ -38,6 +38,25 @@ def test_kernel_matches_torch(dtype: torch.dtype, head_dim: int, block_size: int
     got = _decode_kernel(meta, q, k, v, head_dim**-0.5).float()
     want = decode_torch(q.float(), k.float(), v.float(), tables, lens, head_dim**-0.5)
     assert torch.allclose(got, want, atol=2e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+def test_portable_bfloat16_path_matches_torch() -> None:
+    """Without AVX512-BF16 the bfloat16 scores split each K pair into two float32 vectors instead."""
+    if "avx512_bf16" not in open("/proc/cpuinfo").read():
+        pytest.skip("the default build already takes the portable path on this CPU")
+    torch.manual_seed(1)
+    num_blocks, kv_heads, block_size, seqs = 32, 2, 32, 4
+    for head_dim in (64, 128):
+        k = torch.randn(num_blocks, *k_block_shape(kv_heads, head_dim, block_size, torch.bfloat16)).bfloat16()
+        v = torch.randn(num_blocks, kv_heads, block_size, head_dim).bfloat16()
+        tables = torch.randperm(num_blocks)[:seqs * 5].view(seqs, 5).int()
+        lens = torch.tensor([1, 33, 100, 160], dtype=torch.int32)
+        q = torch.randn(seqs, kv_heads * 3, head_dim).bfloat16()
+        meta = AttentionMetadata([k], [v], None, None, None, seqs, tables, lens, 160, [],
+                                 _kernel("-mno-avx512bf16"), 2)
+        got = _decode_kernel(meta, q, k, v, head_dim**-0.5).float()
+        want = decode_torch(q.float(), k.float(), v.float(), tables, lens, head_dim**-0.5)
+        assert torch.allclose(got, want, atol=2e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

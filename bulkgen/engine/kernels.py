@@ -33,8 +33,9 @@ _WRITE_ARGS = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 4 + [ctypes.c_void_p, c
 
 
 @cache
-def load_cpu_kernels() -> ctypes.CDLL | None:
-    """The compiled kernel library, or None (with one warning) when it cannot be built here."""
+def load_cpu_kernels(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """The compiled kernel library, or None (with one warning) when it cannot be built here.
+    extra_flags: more compiler flags (tests build the portable paths with `-mno-avx512bf16`, say)."""
     if os.environ.get("BULKGEN_NO_KERNEL"):
         return None
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
@@ -43,12 +44,13 @@ def load_cpu_kernels() -> ctypes.CDLL | None:
         return None
     sources = {name: importlib.resources.files("bulkgen.engine").joinpath(f"csrc/{name}").read_text()
                for name in (*SOURCES, *HEADERS)}
-    key = hashlib.sha256("\n".join([*sources.values(), compiler, *FLAGS, _cpu_flags()]).encode()).hexdigest()[:16]
+    flags = [*FLAGS, *extra_flags]
+    key = hashlib.sha256("\n".join([*sources.values(), compiler, *flags, _cpu_flags()]).encode()).hexdigest()[:16]
     out_dir = Paths().cache_dir / "kernels"
     library = out_dir / f"bulkgen-cpu-{key}.so"
     try:
         if not library.is_file():
-            _compile(compiler, sources, library)
+            _compile(compiler, flags, sources, library)
         lib = ctypes.CDLL(str(library))
     except (OSError, subprocess.CalledProcessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
@@ -73,7 +75,7 @@ def load_cpu_kernels() -> ctypes.CDLL | None:
     return lib
 
 
-def _compile(compiler: str, sources: dict[str, str], library: Path) -> None:
+def _compile(compiler: str, flags: list[str], sources: dict[str, str], library: Path) -> None:
     library.parent.mkdir(parents=True, exist_ok=True)
     with open(library.parent / ".build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -85,7 +87,7 @@ def _compile(compiler: str, sources: dict[str, str], library: Path) -> None:
                 paths.append(Path(tmp) / name)
                 paths[-1].write_text(text)
             built = Path(tmp) / library.name
-            subprocess.run([compiler, *FLAGS, *(str(p) for p in paths if p.suffix == ".c"), "-o", str(built), "-lm"], check=True,
+            subprocess.run([compiler, *flags, *(str(p) for p in paths if p.suffix == ".c"), "-o", str(built), "-lm"], check=True,
                            capture_output=True, text=True)
             os.replace(built, library)
 
