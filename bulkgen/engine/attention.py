@@ -6,8 +6,10 @@ no padding). The model computes q, k, v and RoPE as usual, then calls `attend` p
 writes the new K/V into the paged cache and attends:
 - decode tokens (one new token per sequence, placed first in the batch) in one batched call over
   K/V read in place from their blocks: our C kernel on CPU, a gather + SDPA in torch elsewhere;
-- prefill chunks one sequence at a time with SDPA: causal over the chunk itself, or, when earlier
-  tokens are already cached (chunked prefill, prefix cache, recompute), over K/V gathered from blocks.
+- prefill chunks one sequence at a time: on CPU through the same C kernel, each query row a "sequence"
+  of its own over the chunk's blocks, causal by its context length; elsewhere with SDPA, causal over
+  the chunk itself or, when earlier tokens are already cached (chunked prefill, prefix cache,
+  recompute), over K/V gathered from blocks.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class PrefillChunk:
     context_blocks: torch.Tensor | None = None  # [start + num_tokens] block of each position, when start > 0
     context_offsets: torch.Tensor | None = None  # [start + num_tokens] row within the block
     mask: torch.Tensor | None = None  # [num_tokens, start + num_tokens] bool, when start > num_tokens
+    block_table: torch.Tensor | None = None  # [num_blocks] int32: the sequence's blocks (for the C kernel)
 
 
 @dataclass
@@ -94,6 +97,15 @@ def attend(meta: AttentionMetadata, layer: int, query: torch.Tensor, key: torch.
                                              meta.decode_context_lens, scale)
     for chunk in meta.prefills:
         span = slice(chunk.offset, chunk.offset + chunk.num_tokens)
+        if meta.kernel is not None and chunk.block_table is not None and _kernel_layout(k_cache):
+            # Every query row as a decode over the sequence's blocks (its K/V were just written), causal by
+            # its context length. Faster than torch's flash kernel here: 1.3x in float32 (no tiling or
+            # masking overhead at these lengths), 1.6x in bfloat16 (where the K pass takes vdpbf16ps and
+            # torch's kernel computes in float32).
+            lens = torch.arange(chunk.start + 1, chunk.start + chunk.num_tokens + 1, dtype=torch.int32)
+            out[span] = _paged_kernel(meta, query[span], k_cache, v_cache, chunk.block_table, 0, lens,
+                                      chunk.start + chunk.num_tokens, scale)
+            continue
         q = query[span].transpose(0, 1).unsqueeze(0)  # [1, num_heads, n, head_dim]: 4-D takes torch's fused kernel
         if chunk.context_blocks is None:
             k = key[span].transpose(0, 1).unsqueeze(0)
@@ -152,15 +164,24 @@ def _kernel_layout(k_cache: torch.Tensor) -> bool:
 
 def _decode_kernel(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    scale: float) -> torch.Tensor:
+    tables = meta.decode_block_tables
+    return _paged_kernel(meta, q, k_cache, v_cache, tables, tables.stride(0), meta.decode_context_lens,
+                         meta.decode_max_context_len, scale)
+
+
+def _paged_kernel(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  tables: torch.Tensor, table_stride: int, context_lens: torch.Tensor, max_context_len: int,
+                  scale: float) -> torch.Tensor:
+    """The C kernel: query row i ([rows, num_heads, head_dim]) attends to the first context_lens[i]
+    tokens of the blocks in row i of `tables` (table_stride 0: one table for every row)."""
     q32 = q.to(torch.float32).contiguous()
     out = torch.empty_like(q32)
-    num_seqs, num_heads, head_dim = q32.shape
+    num_rows, num_heads, head_dim = q32.shape
     _, num_kv_heads, block_size, _ = v_cache.shape
     function = meta.kernel.paged_decode_f32 if k_cache.dtype == torch.float32 else meta.kernel.paged_decode_bf16
-    tables = meta.decode_block_tables
-    failed = function(q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
-                      meta.decode_context_lens.data_ptr(), out.data_ptr(), num_seqs, num_heads, num_kv_heads,
-                      head_dim, block_size, meta.decode_max_context_len, scale, meta.num_threads)
+    failed = function(q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), table_stride,
+                      context_lens.data_ptr(), out.data_ptr(), num_rows, num_heads, num_kv_heads,
+                      head_dim, block_size, max_context_len, scale, meta.num_threads)
     if failed:
         raise MemoryError("paged attention kernel could not allocate its scratch buffer")
     return out.to(q.dtype)

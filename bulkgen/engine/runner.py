@@ -103,6 +103,8 @@ class ModelRunner:
         for s in prefills:
             seq, start, n = s.seq, s.seq.num_computed_tokens, s.num_new_tokens
             chunk = attention.PrefillChunk(offset=len(input_ids), num_tokens=n, start=start)
+            if self.kernel is not None:
+                chunk.block_table = torch.tensor(seq.block_table, dtype=torch.int32)
             input_ids.extend(seq.token_ids[start:start + n])
             positions.extend(range(start, start + n))
             context_slots = _slots(seq.block_table, bs, 0, start + n)  # the chunk's and its context's
