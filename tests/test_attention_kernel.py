@@ -83,14 +83,17 @@ def test_kernel_write_matches_torch(dtype: torch.dtype) -> None:
         assert torch.equal(k_t[slots[0] // block_size, 0, 1, slots[0] % block_size], key[0, 0, 2:4])
 
 
-@pytest.mark.parametrize("start,num_tokens", [(0, 1), (0, 45), (32, 20), (7, 60), (100, 3)])
-def test_bfloat16_prefill_through_kernel_matches_torch(start: int, num_tokens: int) -> None:
-    """bfloat16 prefill chunks run through the decode kernel (one query row per 'sequence', causal by
-    context length) and agree with torch's attention over the same paged cache: fresh prompts, chunks
-    after cached tokens (chunked prefill, prefix hits) longer and shorter than what is cached."""
-    torch.manual_seed(start + num_tokens)
-    kv_heads, group, head_dim, block_size, num_blocks = 3, 3, 64, 32, 16
-    dtype = torch.bfloat16
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim,block_size", [(64, 32), (128, 16), (96, 16)])
+@pytest.mark.parametrize("start,num_tokens", [(0, 1), (0, 45), (32, 20), (7, 62), (100, 3)])
+def test_prefill_through_kernel_matches_torch(dtype: torch.dtype, head_dim: int, block_size: int, start: int,
+                                              num_tokens: int) -> None:
+    """Prefill chunks through the C kernel (rows in tiles of 4 where vectorised, else row by row; causal
+    by context length) agree with torch's attention over the same paged cache: fresh prompts, chunks
+    after cached tokens (chunked prefill, prefix hits) longer and shorter than what is cached, row
+    counts that leave a partial tile."""
+    torch.manual_seed(start + num_tokens + head_dim)
+    kv_heads, group, num_blocks = 3, 3, 16
     total = start + num_tokens
     table = torch.randperm(num_blocks)[:-(-total // block_size)].int()
     positions = torch.arange(total)
@@ -117,4 +120,5 @@ def test_bfloat16_prefill_through_kernel_matches_torch(start: int, num_tokens: i
         meta = AttentionMetadata([k], [v], new, new // block_size, new % block_size, 0, None, None, 0, [chunk],
                                  kernel, 2)
         outs.append(attend(meta, 0, query, keys[start:], values[start:], head_dim**-0.5).float())
-    assert torch.allclose(outs[0], outs[1], atol=2e-2), (outs[0] - outs[1]).abs().max()
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    assert torch.allclose(outs[0], outs[1], atol=tolerance), (outs[0] - outs[1]).abs().max()

@@ -6,8 +6,8 @@ no padding). The model computes q, k, v and RoPE as usual, then calls `attend` p
 writes the new K/V into the paged cache and attends:
 - decode tokens (one new token per sequence, placed first in the batch) in one batched call over
   K/V read in place from their blocks: our C kernel on CPU, a gather + SDPA in torch elsewhere;
-- prefill chunks one sequence at a time: on CPU through the same C kernel, each query row a "sequence"
-  of its own over the chunk's blocks, causal by its context length; elsewhere with SDPA, causal over
+- prefill chunks one sequence at a time: on CPU through the same C kernel, tiles of query rows as
+  decodes over the chunk's blocks, causal by context length; elsewhere with SDPA, causal over
   the chunk itself or, when earlier tokens are already cached (chunked prefill, prefix cache,
   recompute), over K/V gathered from blocks.
 """
@@ -98,13 +98,10 @@ def attend(meta: AttentionMetadata, layer: int, query: torch.Tensor, key: torch.
     for chunk in meta.prefills:
         span = slice(chunk.offset, chunk.offset + chunk.num_tokens)
         if meta.kernel is not None and chunk.block_table is not None and _kernel_layout(k_cache):
-            # Every query row as a decode over the sequence's blocks (its K/V were just written), causal by
-            # its context length. Faster than torch's flash kernel here: 1.3x in float32 (no tiling or
-            # masking overhead at these lengths), 1.6x in bfloat16 (where the K pass takes vdpbf16ps and
-            # torch's kernel computes in float32).
-            lens = torch.arange(chunk.start + 1, chunk.start + chunk.num_tokens + 1, dtype=torch.int32)
-            out[span] = _paged_kernel(meta, query[span], k_cache, v_cache, chunk.block_table, 0, lens,
-                                      chunk.start + chunk.num_tokens, scale)
+            # The query rows as decodes over the sequence's blocks (its K/V were just written), causal by
+            # context length, in tiles of 4 rows: 1.7x faster than torch's flash kernel here in float32
+            # and in bfloat16 (where the K pass takes vdpbf16ps; torch's kernel computes in float32).
+            out[span] = _prefill_kernel(meta, query[span], k_cache, v_cache, chunk, scale)
             continue
         q = query[span].transpose(0, 1).unsqueeze(0)  # [1, num_heads, n, head_dim]: 4-D takes torch's fused kernel
         if chunk.context_blocks is None:
@@ -167,6 +164,26 @@ def _decode_kernel(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tens
     tables = meta.decode_block_tables
     return _paged_kernel(meta, q, k_cache, v_cache, tables, tables.stride(0), meta.decode_context_lens,
                          meta.decode_max_context_len, scale)
+
+
+def _prefill_kernel(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    chunk: PrefillChunk, scale: float) -> torch.Tensor:
+    """A prefill chunk's attention in C: rows in tiles sharing each K/V block load where the vectorised
+    kernel applies, else row by row (each row a decode with its own context length)."""
+    q32 = q.to(torch.float32).contiguous()
+    out = torch.empty_like(q32)
+    num_rows, num_heads, head_dim = q32.shape
+    _, num_kv_heads, block_size, _ = v_cache.shape
+    function = meta.kernel.paged_prefill_f32 if k_cache.dtype == torch.float32 else meta.kernel.paged_prefill_bf16
+    status = function(q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), chunk.block_table.data_ptr(),
+                      chunk.start, num_rows, out.data_ptr(), num_heads, num_kv_heads, head_dim, block_size, scale,
+                      meta.num_threads)
+    if status == 1:
+        raise MemoryError("paged attention kernel could not allocate its scratch buffer")
+    if status == 2:
+        lens = torch.arange(chunk.start + 1, chunk.start + num_rows + 1, dtype=torch.int32)
+        return _paged_kernel(meta, q, k_cache, v_cache, chunk.block_table, 0, lens, chunk.start + num_rows, scale)
+    return out.to(q.dtype)
 
 
 def _paged_kernel(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -60,6 +60,11 @@ def load_cpu_kernels(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
         function = getattr(lib, name)
         function.argtypes = _ARGS
         function.restype = ctypes.c_int
+    for name in ("paged_prefill_f32", "paged_prefill_bf16"):
+        function = getattr(lib, name)
+        function.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 2 + [ctypes.c_void_p] + [ctypes.c_int] * 4 \
+            + [ctypes.c_float, ctypes.c_int]
+        function.restype = ctypes.c_int
     for name in ("write_kv_4", "write_kv_2"):
         function = getattr(lib, name)
         function.argtypes = _WRITE_ARGS

@@ -203,7 +203,7 @@ static void softmax_rows(float *scores, float *inv_sums, int group, int ctx, int
 #define DEFINE_SEQ_VEC(NAME, T, K_TILE, VLOAD, HD)                                                      \
 static void NAME(const float *qs, const uint32_t *qpairs, const T *k_cache, const T *v_cache,          \
                  const int32_t *table, int ctx, float *os, float *scores, int group, int num_kv_heads,  \
-                 int64_t head_stride, int64_t block_stride, int block_size, float scale) {              \
+                 int64_t head_stride, int64_t block_stride, int block_size, float scale, int row_heads) {\
     enum { HDIM = (HD), TILE = (HD) == 64 ? 4 : 2 };                                                    \
     (void)qpairs;                                                                                       \
     const int num_heads = group * num_kv_heads;                                                         \
@@ -233,7 +233,17 @@ static void NAME(const float *qs, const uint32_t *qpairs, const T *k_cache, cons
         }                                                                                               \
     }                                                                                                   \
     float inv_sums[MAX_HEADS];                                                                          \
-    softmax_rows(scores, inv_sums, num_heads, ctx, ctx_pad);                                            \
+    if (row_heads == 0) {                                                                               \
+        softmax_rows(scores, inv_sums, num_heads, ctx, ctx_pad);                                        \
+    } else { /* prefill tile: heads of a KV group are [row][row_heads]; row r sees ctx - (rows - 1 - r) */ \
+        const int rows = group / row_heads;                                                             \
+        for (int h = 0; h < num_heads; h++) {                                                           \
+            const int c = ctx - (rows - 1 - (h % group) / row_heads);                                   \
+            float *sg = scores + (int64_t)h * ctx_pad;                                                  \
+            softmax_rows(sg, inv_sums + h, 1, c, ctx_pad);                                              \
+            memset(sg + c, 0, sizeof(float) * (size_t)(ctx - c));                                      \
+        }                                                                                               \
+    }                                                                                                   \
     memset(os, 0, sizeof(float) * (size_t)num_heads * HDIM);                                           \
     for (int t0 = 0; t0 < ctx; t0 += block_size) {                                                      \
         const T *vb0 = v_cache + (int64_t)table[t0 / block_size] * block_stride;                        \
@@ -328,13 +338,70 @@ int NAME(const float *q, const T *k_cache, const T *v_cache, const int32_t *bloc
                     qpairs[i] = bf16_bits(qs[2 * i]) | bf16_bits(qs[2 * i + 1]) << 16;                  \
             if (vectorised && head_dim == 64)                                                           \
                 SEQ64(qs, qpairs, k_cache, v_cache, table, context_lens[s], os, scores, group,          \
-                      num_kv_heads, head_stride, block_stride, block_size, scale);                      \
+                      num_kv_heads, head_stride, block_stride, block_size, scale, 0);                   \
             else if (vectorised)                                                                        \
                 SEQ128(qs, qpairs, k_cache, v_cache, table, context_lens[s], os, scores, group,         \
-                       num_kv_heads, head_stride, block_stride, block_size, scale);                     \
+                       num_kv_heads, head_stride, block_stride, block_size, scale, 0);                  \
             else                                                                                        \
                 SEQ_ANY(qs, k_cache, v_cache, table, context_lens[s], os, scores, group, num_kv_heads,  \
                         head_stride, block_stride, block_size, scale, head_dim);                        \
+        }                                                                                               \
+        free(scores);                                                                                   \
+    }                                                                                                   \
+    return failed;                                                                                      \
+}
+
+/* Prefill: query rows start .. start + n - 1 of one sequence (q, out: [n, num_heads, head_dim]), each
+ * attending causally to the sequence's blocks in `table` (the chunk's own K/V already written). Rows
+ * go in tiles of PREFILL_ROWS, handled as one decode whose KV groups hold PREFILL_ROWS × group query
+ * heads: each K/V block is read from L2/L3 once per tile instead of once per row, and each vector feeds
+ * more heads. Returns 2 where the vectorised kernel does not apply (the caller runs row by row). */
+#define PREFILL_ROWS 4
+#define DEFINE_PAGED_PREFILL(NAME, T, SEQ64, SEQ128)                                                    \
+int NAME(const float *q, const T *k_cache, const T *v_cache, const int32_t *table, int start, int n,   \
+         float *out, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,        \
+         int num_threads) {                                                                             \
+    const int group = num_heads / num_kv_heads;                                                         \
+    if (block_size % 16 != 0 || (head_dim != 64 && head_dim != 128) || group * num_kv_heads != num_heads \
+        || group * PREFILL_ROWS > MAX_GROUP || num_heads * PREFILL_ROWS > MAX_HEADS) return 2;            \
+    const int64_t head_stride = (int64_t)block_size * head_dim;                                         \
+    const int64_t block_stride = (int64_t)num_kv_heads * head_stride;                                   \
+    const int64_t ctx_pad = (int64_t)(start + n + block_size - 1) / block_size * block_size;           \
+    const size_t tile_heads = (size_t)num_heads * PREFILL_ROWS;                                         \
+    const int tiles = (n + PREFILL_ROWS - 1) / PREFILL_ROWS;                                            \
+    int failed = 0;                                                                                     \
+    _Pragma("omp parallel num_threads(num_threads)")                                                    \
+    {                                                                                                   \
+        float *scores = malloc(sizeof(float) * (tile_heads * (size_t)ctx_pad                            \
+                                                + tile_heads * (size_t)head_dim * 5 / 2 + 16));         \
+        float *qt = scores + tile_heads * (size_t)ctx_pad;                                              \
+        float *ot = qt + tile_heads * (size_t)head_dim;                                                 \
+        uint32_t *qpairs = (uint32_t *)(ot + tile_heads * (size_t)head_dim);                            \
+        if (scores == NULL) failed = 1;                                                                 \
+        _Pragma("omp for schedule(dynamic, 1)")                                                         \
+        for (int i = 0; i < tiles; i++) {                                                               \
+            if (scores == NULL) continue;                                                               \
+            const int r0 = (tiles - 1 - i) * PREFILL_ROWS; /* the longest contexts first */             \
+            const int rows = n - r0 < PREFILL_ROWS ? n - r0 : PREFILL_ROWS;                             \
+            for (int kh = 0; kh < num_kv_heads; kh++)                                                   \
+                for (int r = 0; r < rows; r++)                                                          \
+                    memcpy(qt + ((int64_t)(kh * rows + r) * group) * head_dim,                          \
+                           q + ((int64_t)(r0 + r) * num_heads + kh * group) * head_dim,                 \
+                           sizeof(float) * (size_t)(group * head_dim));                                 \
+            if (sizeof(T) == 2)                                                                         \
+                for (int j = 0; j < num_heads * rows * head_dim / 2; j++)                               \
+                    qpairs[j] = bf16_bits(qt[2 * j]) | bf16_bits(qt[2 * j + 1]) << 16;                  \
+            if (head_dim == 64)                                                                         \
+                SEQ64(qt, qpairs, k_cache, v_cache, table, start + r0 + rows, ot, scores, rows * group, \
+                      num_kv_heads, head_stride, block_stride, block_size, scale, group);               \
+            else                                                                                        \
+                SEQ128(qt, qpairs, k_cache, v_cache, table, start + r0 + rows, ot, scores, rows * group, \
+                       num_kv_heads, head_stride, block_stride, block_size, scale, group);              \
+            for (int kh = 0; kh < num_kv_heads; kh++)                                                   \
+                for (int r = 0; r < rows; r++)                                                          \
+                    memcpy(out + ((int64_t)(r0 + r) * num_heads + kh * group) * head_dim,               \
+                           ot + ((int64_t)(kh * rows + r) * group) * head_dim,                          \
+                           sizeof(float) * (size_t)(group * head_dim));                                 \
         }                                                                                               \
         free(scores);                                                                                   \
     }                                                                                                   \
@@ -350,6 +417,8 @@ DEFINE_SEQ_SCALAR(seq_any_bf16, uint16_t, sload_bf16, 2)
 
 DEFINE_PAGED_DECODE(paged_decode_f32, float, seq64_f32, seq128_f32, seq_any_f32)
 DEFINE_PAGED_DECODE(paged_decode_bf16, uint16_t, seq64_bf16, seq128_bf16, seq_any_bf16)
+DEFINE_PAGED_PREFILL(paged_prefill_f32, float, seq64_f32, seq128_f32)
+DEFINE_PAGED_PREFILL(paged_prefill_bf16, uint16_t, seq64_bf16, seq128_bf16)
 
 /* Write the new tokens' keys and values into their cache slots (slot = block * block_size + row), K
  * transposed within its block in groups of P dims ([HD/P][block_size][P]). key, value: [num_tokens,
