@@ -133,7 +133,7 @@ def write_kv(meta: AttentionMetadata, key: torch.Tensor, value: torch.Tensor, k_
         function = meta.kernel.write_kv_4 if key.element_size() == 4 else meta.kernel.write_kv_2
         function(key.data_ptr(), value.data_ptr(), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
                  meta.slots.data_ptr(), num_tokens, k_cache.data_ptr(), v_cache.data_ptr(), num_kv_heads, head_dim,
-                 v_cache.shape[2])
+                 v_cache.shape[2], meta.num_threads)
         return
     k_cache[meta.slot_blocks, :, :, meta.slot_offsets] = key.reshape(*key.shape[:2], -1, k_cache.shape[-1])
     v_cache[meta.slot_blocks, :, meta.slot_offsets] = value

@@ -29,7 +29,7 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 _ARGS = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int] * 6 \
     + [ctypes.c_float, ctypes.c_int]
 _WRITE_ARGS = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 4 + [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 2 \
-    + [ctypes.c_int] * 3
+    + [ctypes.c_int] * 4
 
 
 @cache

@@ -110,7 +110,7 @@ void rms_norm(void *x, const void *residual, const void *weight, void *out, int6
  * out = to_dtype(to_dtype(silu(gate)) * up), silu(g) = g / (1 + exp(-g)). */
 void silu_mul(const void *gate_up, void *out, int64_t rows, int64_t cols, int dtype, int num_threads) {
     const int64_t vec_end = cols / 16 * 16;
-    #pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * cols > 32768)
+    #pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * cols > 4096)
     for (int64_t r = 0; r < rows; r++) {
         const int64_t g0 = r * 2 * cols, o0 = r * cols;
         for (int64_t i = 0; i < vec_end; i += 16) {

@@ -427,7 +427,9 @@ DEFINE_PAGED_PREFILL(paged_prefill_bf16, uint16_t, seq64_bf16, seq128_bf16)
 #define DEFINE_WRITE_KV(NAME, T, P)                                                                     \
 void NAME(const T *key, const T *value, int64_t k_token_stride, int64_t k_head_stride,                 \
           int64_t v_token_stride, int64_t v_head_stride, const int64_t *slots, int num_tokens,          \
-          T *k_cache, T *v_cache, int num_kv_heads, int head_dim, int block_size) {                     \
+          T *k_cache, T *v_cache, int num_kv_heads, int head_dim, int block_size, int num_threads) {    \
+    /* K's scattered stores mostly miss the cache (latency-bound): two threads overlap twice as many */ \
+    _Pragma("omp parallel for num_threads(num_threads) schedule(static) if (num_tokens >= 8)")          \
     for (int t = 0; t < num_tokens; t++) {                                                              \
         const int64_t block = slots[t] / block_size, row = slots[t] % block_size;                       \
         for (int kh = 0; kh < num_kv_heads; kh++) {                                                     \
