@@ -19,7 +19,8 @@
  * over row d of the block): no horizontal sum per token, which halved the work of the first pass.
  * bfloat16 K keeps dims in pairs so that AVX512-BF16's vdpbf16ps takes 16 tokens × 2 dims per
  * instruction straight from the block (no conversion; half the instructions of the float32 pass);
- * bfloat16 V is converted as it is loaded.
+ * bfloat16 V rows are paired in registers for vdpbf16ps too, with the probabilities rounded to
+ * bfloat16 (as torch's flash kernel rounds them for P·V); without AVX512-BF16, V is converted as loaded.
  * Head dims 64 and 128 with block sizes a multiple of 16 get vectorised versions (GCC vector
  * extensions: AVX-512, AVX2 or whatever -march=native offers); others take a plain loop.
  */
@@ -196,11 +197,75 @@ static void softmax_rows(float *scores, float *inv_sums, int group, int ctx, int
             for (int c = 0; c < HDIM / 16; c++) memcpy(ot + g * HDIM + 16 * c, &acc[g][c], sizeof(vf16)); \
     } while (0)
 
+#if defined(__AVX512BF16__)
+/* The weighted sum over a bfloat16 V block with vdpbf16ps: rows j and j+1 interleaved in registers
+ * (unpack lo/hi within 128-bit lanes) pair with the probabilities of tokens j and j+1, rounded to
+ * bfloat16 as torch's flash kernel rounds them for its P·V product. The interleave leaves the dims of
+ * each accumulator permuted (see unpermute_pairs); `ot` holds them so until the sequence is done. An odd
+ * last row pairs with zeros. pp: probabilities as bfloat16 pairs, rows ctx_pad apart. */
+#define V_TILE_PAIRS(G)                                                                                 \
+    do {                                                                                                \
+        __m512 acc[G][HDIM / 16];                                                                       \
+        for (int g = 0; g < (G); g++)                                                                   \
+            for (int c = 0; c < HDIM / 16; c++) acc[g][c] = _mm512_loadu_ps(ot + g * HDIM + 16 * c);   \
+        for (int jp = 0; jp < (n + 1) / 2; jp++) {                                                      \
+            const uint16_t *r0 = vb + (int64_t)2 * jp * HDIM;                                           \
+            __m512bh pg[G];                                                                             \
+            for (int g = 0; g < (G); g++) pg[g] = (__m512bh)_mm512_set1_epi32((int)pp[(int64_t)g * ctx_pad + jp]); \
+            for (int c2 = 0; c2 < HDIM / 32; c2++) {                                                    \
+                const __m512i a = _mm512_loadu_si512(r0 + 32 * c2);                                     \
+                const __m512i b = 2 * jp + 1 < n ? _mm512_loadu_si512(r0 + HDIM + 32 * c2)              \
+                                                 : _mm512_setzero_si512();                              \
+                const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(a, b);                              \
+                const __m512bh hi = (__m512bh)_mm512_unpackhi_epi16(a, b);                              \
+                for (int g = 0; g < (G); g++) {                                                         \
+                    acc[g][2 * c2] = _mm512_dpbf16_ps(acc[g][2 * c2], lo, pg[g]);                       \
+                    acc[g][2 * c2 + 1] = _mm512_dpbf16_ps(acc[g][2 * c2 + 1], hi, pg[g]);               \
+                }                                                                                       \
+            }                                                                                           \
+        }                                                                                               \
+        for (int g = 0; g < (G); g++)                                                                   \
+            for (int c = 0; c < HDIM / 16; c++) _mm512_storeu_ps(ot + g * HDIM + 16 * c, acc[g][c]);   \
+    } while (0)
+#define PAIRED_V 1
+#else
+#define V_TILE_PAIRS(G) V_TILE(G, vload_bf16)
+#define PAIRED_V 0
+#endif
+#define V_TILE_F32(G) V_TILE(G, vload_f32)
+
+/* Scores rows (float, ctx_pad apart) -> bfloat16 pairs in place: pair i of a row (tokens 2i, 2i+1)
+ * at its uint32 index i. Tokens from ctx on count as 0. */
+static inline void pair_rows(float *scores, int num_rows, int ctx, int ctx_pad) {
+#if defined(__AVX512BF16__)
+    for (int h = 0; h < num_rows; h++) {
+        float *sg = scores + (int64_t)h * ctx_pad;
+        const int end = (ctx + 15) / 16 * 16;
+        for (int t = ctx; t < end; t++) sg[t] = 0.0f;
+        for (int t = 0; t < end; t += 16) {
+            const __m256bh b = _mm512_cvtneps_pbh(_mm512_loadu_ps(sg + t));
+            memcpy((uint16_t *)sg + t, &b, sizeof b);
+        }
+    }
+#else
+    (void)scores; (void)num_rows; (void)ctx; (void)ctx_pad;
+#endif
+}
+
+/* The dims of a paired V accumulator back in order: chunk c of 16 lanes holds, for half h = c / 2 of
+ * the 32-dim run and lane k, dim 32h + 8(k / 4) + 4(c % 2) + k % 4 (unpack lo/hi per 128-bit lane). */
+static inline void unpermute_pairs(float *o, int hdim) {
+    float tmp[128];
+    for (int c = 0; c < hdim / 16; c++)
+        for (int k = 0; k < 16; k++) tmp[32 * (c / 2) + 8 * (k / 4) + 4 * (c % 2) + k % 4] = o[16 * c + k];
+    memcpy(o, tmp, sizeof(float) * (size_t)hdim);
+}
+
 /* One sequence, all heads; block_size a multiple of 16, head_dim HD a multiple of 16.
  * Scores: K is stored transposed in each block, so 16 tokens' scores are one vector: no horizontal
  * sums. Query heads sharing a KV head go in tiles of up to TILE heads, so each K and V vector feeds
  * several FMAs. scores: [num_heads, ctx_pad]; qpairs: the query as bfloat16 pairs (bfloat16 path). */
-#define DEFINE_SEQ_VEC(NAME, T, K_TILE, VLOAD, HD)                                                      \
+#define DEFINE_SEQ_VEC(NAME, T, K_TILE, V_TILE_M, PV, HD)                                                      \
 static void NAME(const float *qs, const uint32_t *qpairs, const T *k_cache, const T *v_cache,          \
                  const int32_t *table, int ctx, float *os, float *scores, int group, int num_kv_heads,  \
                  int64_t head_stride, int64_t block_stride, int block_size, float scale, int row_heads) {\
@@ -244,6 +309,7 @@ static void NAME(const float *qs, const uint32_t *qpairs, const T *k_cache, cons
             memset(sg + c, 0, sizeof(float) * (size_t)(ctx - c));                                      \
         }                                                                                               \
     }                                                                                                   \
+    if (PV) pair_rows(scores, num_heads, ctx, ctx_pad);                                                 \
     memset(os, 0, sizeof(float) * (size_t)num_heads * HDIM);                                           \
     for (int t0 = 0; t0 < ctx; t0 += block_size) {                                                      \
         const T *vb0 = v_cache + (int64_t)table[t0 / block_size] * block_stride;                        \
@@ -256,18 +322,22 @@ static void NAME(const float *qs, const uint32_t *qpairs, const T *k_cache, cons
             for (int g0 = 0; g0 < group; g0 += TILE) {                                                  \
                 const int h = kh * group + g0;                                                          \
                 const float *pt = scores + (int64_t)h * ctx_pad + t0;                                   \
+                const uint32_t *pp = (const uint32_t *)(scores + (int64_t)h * ctx_pad) + t0 / 2;        \
                 float *ot = os + (int64_t)h * HDIM;                                                     \
+                (void)pt; (void)pp;                                                                     \
                 switch (group - g0 < TILE ? group - g0 : TILE) {                                        \
-                    case 1: V_TILE(1, VLOAD); break;                                                           \
-                    case 2: V_TILE(2, VLOAD); break;                                                           \
-                    case 3: V_TILE(3, VLOAD); break;                                                           \
-                    default: V_TILE(TILE, VLOAD); break;                                                       \
+                    case 1: V_TILE_M(1); break;                                                         \
+                    case 2: V_TILE_M(2); break;                                                         \
+                    case 3: V_TILE_M(3); break;                                                         \
+                    default: V_TILE_M(TILE); break;                                                     \
                 }                                                                                       \
             }                                                                                           \
         }                                                                                               \
     }                                                                                                   \
-    for (int h = 0; h < num_heads; h++)                                                                 \
+    for (int h = 0; h < num_heads; h++) {                                                               \
+        if (PV) unpermute_pairs(os + (int64_t)h * HDIM, HDIM);                                          \
         for (int i = 0; i < HDIM; i++) os[(int64_t)h * HDIM + i] *= inv_sums[h];                        \
+    }                                                                                                   \
 }
 
 /* Any head_dim or block size: plain loops, one sequence, all heads. K rows in groups of P dims
@@ -408,11 +478,11 @@ int NAME(const float *q, const T *k_cache, const T *v_cache, const int32_t *tabl
     return failed;                                                                                      \
 }
 
-DEFINE_SEQ_VEC(seq64_f32, float, K_TILE_F32, vload_f32, 64)
-DEFINE_SEQ_VEC(seq128_f32, float, K_TILE_F32, vload_f32, 128)
+DEFINE_SEQ_VEC(seq64_f32, float, K_TILE_F32, V_TILE_F32, 0, 64)
+DEFINE_SEQ_VEC(seq128_f32, float, K_TILE_F32, V_TILE_F32, 0, 128)
 DEFINE_SEQ_SCALAR(seq_any_f32, float, sload_f32, 1)
-DEFINE_SEQ_VEC(seq64_bf16, uint16_t, K_TILE_BF16, vload_bf16, 64)
-DEFINE_SEQ_VEC(seq128_bf16, uint16_t, K_TILE_BF16, vload_bf16, 128)
+DEFINE_SEQ_VEC(seq64_bf16, uint16_t, K_TILE_BF16, V_TILE_PAIRS, PAIRED_V, 64)
+DEFINE_SEQ_VEC(seq128_bf16, uint16_t, K_TILE_BF16, V_TILE_PAIRS, PAIRED_V, 128)
 DEFINE_SEQ_SCALAR(seq_any_bf16, uint16_t, sload_bf16, 2)
 
 DEFINE_PAGED_DECODE(paged_decode_f32, float, seq64_f32, seq128_f32, seq_any_f32)
