@@ -109,16 +109,15 @@ static void softmax_rows(float *scores, float *inv_sums, int group, int ctx, int
     }
 }
 
-/* Scores of 16 tokens (tokens v0..v0+15 of a K block) for G query heads of one KV head: each K vector
- * is loaded once for the G heads; two accumulators per head hide FMA latency.
- * float32 K block: [HD][block_size]; q[d] broadcast over row d. */
-#define K_TILE_F32(G)                                                                                   \
+/* Scores of 16 tokens (tokens v0..v0+15 of a K block) for G query heads of one KV head: K_ROWS(d)
+ * gives dims d and d + 1 of the 16 tokens as float32 vectors k0, k1, each loaded once for the G heads
+ * and multiplied by q[d], q[d + 1] broadcast; two accumulators per head hide FMA latency. */
+#define K_TILE_VEC(G, K_ROWS)                                                                           \
     do {                                                                                                \
         vf16 acc[G][2];                                                                                 \
         for (int g = 0; g < (G); g++) acc[g][0] = acc[g][1] = (vf16){0};                               \
         for (int d = 0; d < HDIM; d += 2) {                                                             \
-            const vf16 k0 = vload_f32(kt + (int64_t)d * block_size + v0);                               \
-            const vf16 k1 = vload_f32(kt + (int64_t)(d + 1) * block_size + v0);                         \
+            K_ROWS(d);                                                                                  \
             for (int g = 0; g < (G); g++) {                                                             \
                 acc[g][0] += qt[g * HDIM + d] * k0;                                                     \
                 acc[g][1] += qt[g * HDIM + d + 1] * k1;                                                 \
@@ -129,6 +128,11 @@ static void softmax_rows(float *scores, float *inv_sums, int group, int ctx, int
             memcpy(st + (int64_t)g * ctx_pad + v0, &sc, sizeof sc);                                     \
         }                                                                                               \
     } while (0)
+/* k0, k1: dims d and d + 1 of the 16 tokens, from a float32 block ([HD][block_size]) */
+#define K_ROWS_F32(d)                                                                                   \
+    const vf16 k0 = vload_f32(kt + (int64_t)(d) * block_size + v0);                                     \
+    const vf16 k1 = vload_f32(kt + (int64_t)((d) + 1) * block_size + v0)
+#define K_TILE_F32(G) K_TILE_VEC(G, K_ROWS_F32)
 
 /* bfloat16 K block: dims in pairs, [HD/2][block_size][2], so 64 bytes hold dims 2p and 2p+1 of 16
  * tokens. With AVX512-BF16 one vdpbf16ps multiplies them by the query's pair (q is bfloat16-exact: the
@@ -158,24 +162,12 @@ static void softmax_rows(float *scores, float *inv_sums, int group, int ctx, int
         }                                                                                               \
     } while (0)
 #else
-#define K_TILE_BF16(G)                                                                                  \
-    do {                                                                                                \
-        vf16 acc[G][2];                                                                                 \
-        for (int g = 0; g < (G); g++) acc[g][0] = acc[g][1] = (vf16){0};                               \
-        for (int p = 0; p < HDIM / 2; p++) {                                                            \
-            vu16 pair;                                                                                  \
-            memcpy(&pair, kt + ((int64_t)p * block_size + v0) * 2, sizeof pair);                        \
-            const vf16 k0 = float_of(pair << 16), k1 = float_of(pair & 0xffff0000u);                    \
-            for (int g = 0; g < (G); g++) {                                                             \
-                acc[g][0] += qt[g * HDIM + 2 * p] * k0;                                                 \
-                acc[g][1] += qt[g * HDIM + 2 * p + 1] * k1;                                             \
-            }                                                                                           \
-        }                                                                                               \
-        for (int g = 0; g < (G); g++) {                                                                 \
-            vf16 sc = (acc[g][0] + acc[g][1]) * scale;                                                  \
-            memcpy(st + (int64_t)g * ctx_pad + v0, &sc, sizeof sc);                                     \
-        }                                                                                               \
-    } while (0)
+/* the same from a bfloat16 pair block ([HD/2][block_size][2]): a shift and a mask split each pair */
+#define K_ROWS_BF16_PAIRS(d)                                                                            \
+    vu16 pair;                                                                                          \
+    memcpy(&pair, kt + ((int64_t)((d) / 2) * block_size + v0) * 2, sizeof pair);                        \
+    const vf16 k0 = float_of(pair << 16), k1 = float_of(pair & 0xffff0000u)
+#define K_TILE_BF16(G) K_TILE_VEC(G, K_ROWS_BF16_PAIRS)
 #endif
 
 /* The weighted sum over a V block ([n][HD], converted as loaded) for G query heads of one KV head:
