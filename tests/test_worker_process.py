@@ -72,8 +72,12 @@ def test_sigkill_at_random_moments_then_resume_equals_an_uninterrupted_run(tmp_p
     rng = random.Random(42)
     kills = 0
     committed = 0
+    # Kills land while requests are in flight, and a slow machine may catch the same ones every time:
+    # allow more attempts than kills, so that this tests resuming, not the repeat-offender limit (tested
+    # in test_worker.py).
+    attempts = ["--max-attempts", "10"]
     while kills < 4:
-        proc = start_worker(db)
+        proc = start_worker(db, *attempts)
         committed = wait_for_results(db, committed, proc)
         if proc.poll() is not None:
             break  # finished before we could kill it
@@ -84,7 +88,7 @@ def test_sigkill_at_random_moments_then_resume_equals_an_uninterrupted_run(tmp_p
         committed = num_results(db)
     assert kills >= 3, "the job finished too fast to be interrupted"
     assert 0 < committed < NUM_ROWS
-    final = subprocess.run([sys.executable, "-m", "bulkgen", "run", "--db", db, *RUN_FLAGS],
+    final = subprocess.run([sys.executable, "-m", "bulkgen", "run", "--db", db, *RUN_FLAGS, *attempts],
                            capture_output=True, text=True)
     assert final.returncode == 0, final.stderr
     rows = export_rows(db, job_id, tmp_path / "resumed.parquet")

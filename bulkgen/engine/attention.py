@@ -90,14 +90,14 @@ def attend(meta: AttentionMetadata, layer: int, query: torch.Tensor, key: torch.
     num_decodes = meta.num_decode_tokens
     if num_decodes:
         q = query[:num_decodes]  # [num_decodes, num_heads, head_dim]
-        if meta.kernel is not None and _kernel_layout(k_cache):
+        if meta.kernel is not None and kernel_layout(k_cache):
             out[:num_decodes] = _decode_kernel(meta, q, k_cache, v_cache, scale)
         else:
             out[:num_decodes] = decode_torch(q, k_cache, v_cache, meta.decode_block_tables,
                                              meta.decode_context_lens, scale)
     for chunk in meta.prefills:
         span = slice(chunk.offset, chunk.offset + chunk.num_tokens)
-        if meta.kernel is not None and chunk.block_table is not None and _kernel_layout(k_cache):
+        if meta.kernel is not None and chunk.block_table is not None and kernel_layout(k_cache):
             # The query rows as decodes over the sequence's blocks (its K/V were just written), causal by
             # context length, in tiles of 4 rows: 1.7x faster than torch's flash kernel here in float32
             # and in bfloat16 (where the K pass takes vdpbf16ps; torch's kernel computes in float32).
@@ -128,7 +128,7 @@ def attend(meta: AttentionMetadata, layer: int, query: torch.Tensor, key: torch.
 def write_kv(meta: AttentionMetadata, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
              v_cache: torch.Tensor) -> None:
     """Store the step's new keys and values ([num_tokens, num_kv_heads, head_dim] each) in their slots."""
-    if meta.kernel is not None and _kernel_layout(k_cache) and key.stride(-1) == 1 and value.stride(-1) == 1:
+    if meta.kernel is not None and kernel_layout(k_cache) and key.stride(-1) == 1 and value.stride(-1) == 1:
         num_tokens, num_kv_heads, head_dim = key.shape
         function = meta.kernel.write_kv_4 if key.element_size() == 4 else meta.kernel.write_kv_2
         function(key.data_ptr(), value.data_ptr(), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
@@ -154,7 +154,7 @@ def decode_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     return o[:, :, 0]  # [num_seqs, num_heads, head_dim]
 
 
-def _kernel_layout(k_cache: torch.Tensor) -> bool:
+def kernel_layout(k_cache: torch.Tensor) -> bool:
     """Whether the C kernels know this K layout: 4-byte groups of dims (float32 alone, bfloat16 in pairs)."""
     return k_cache.shape[-1] * k_cache.element_size() == 4
 

@@ -76,6 +76,8 @@ class ModelRunner:
         k_shape = attention.k_block_shape(self.num_kv_heads, self.head_dim, self.block_size, self.dtype)
         self._k_caches = list(self.kv_cache[0].view(*shape[:2], *k_shape))
         self._v_caches = list(self.kv_cache[1])
+        # Whether attention runs in our C kernels (decode and prefill) rather than torch
+        self.kernel_attention = self.kernel is not None and attention.kernel_layout(self._k_caches[0])
 
     @property
     def max_num_tokens(self) -> int:
@@ -103,13 +105,13 @@ class ModelRunner:
         for s in prefills:
             seq, start, n = s.seq, s.seq.num_computed_tokens, s.num_new_tokens
             chunk = attention.PrefillChunk(offset=len(input_ids), num_tokens=n, start=start)
-            if self.kernel is not None:
-                chunk.block_table = torch.tensor(seq.block_table, dtype=torch.int32)
             input_ids.extend(seq.token_ids[start:start + n])
             positions.extend(range(start, start + n))
             context_slots = _slots(seq.block_table, bs, 0, start + n)  # the chunk's and its context's
             slots.extend(context_slots[start:].tolist())
-            if start:
+            if self.kernel_attention:  # the C kernel reads the context from the blocks itself
+                chunk.block_table = torch.tensor(seq.block_table, dtype=torch.int32)
+            elif start:
                 chunk.context_blocks = torch.from_numpy(context_slots // bs).to(self.device)
                 chunk.context_offsets = torch.from_numpy(context_slots % bs).to(self.device)
                 if start > n:  # else attention pads the queries instead (see attention.attend)
