@@ -253,6 +253,16 @@ static inline void unpermute_pairs(float *o, int hdim) {
     memcpy(o, tmp, sizeof(float) * (size_t)hdim);
 }
 
+/* TILE_MACRO for the query heads g0.. of a KV group: a full tile, or the 1-3 left at the group's end
+ * (each size its own unrolled copy). */
+#define BY_TILE(TILE_MACRO)                                                                             \
+    switch (group - g0 < TILE ? group - g0 : TILE) {                                                    \
+        case 1: TILE_MACRO(1); break;                                                                   \
+        case 2: TILE_MACRO(2); break;                                                                   \
+        case 3: TILE_MACRO(3); break;                                                                   \
+        default: TILE_MACRO(TILE); break;                                                               \
+    }
+
 /* One sequence, all heads; block_size a multiple of 16, head_dim HD a multiple of 16.
  * Scores: K is stored transposed in each block, so 16 tokens' scores are one vector: no horizontal
  * sums. Query heads sharing a KV head go in tiles of up to TILE heads, so each K and V vector feeds
@@ -279,12 +289,7 @@ static void NAME(const float *qs, const uint32_t *qpairs, const T *k_cache, cons
                 (void)qt; (void)qp;                                                                     \
                 float *st = scores + (int64_t)h * ctx_pad + t0;                                         \
                 for (int v0 = 0; v0 < block_size; v0 += 16) {                                           \
-                    switch (group - g0 < TILE ? group - g0 : TILE) {                                    \
-                        case 1: K_TILE(1); break;                                                       \
-                        case 2: K_TILE(2); break;                                                       \
-                        case 3: K_TILE(3); break;                                                       \
-                        default: K_TILE(TILE); break;                                                   \
-                    }                                                                                   \
+                    BY_TILE(K_TILE);                                                                    \
                 }                                                                                       \
             }                                                                                           \
         }                                                                                               \
@@ -317,12 +322,7 @@ static void NAME(const float *qs, const uint32_t *qpairs, const T *k_cache, cons
                 const uint32_t *pp = (const uint32_t *)(scores + (int64_t)h * ctx_pad) + t0 / 2;        \
                 float *ot = os + (int64_t)h * HDIM;                                                     \
                 (void)pt; (void)pp;                                                                     \
-                switch (group - g0 < TILE ? group - g0 : TILE) {                                        \
-                    case 1: V_TILE_M(1); break;                                                         \
-                    case 2: V_TILE_M(2); break;                                                         \
-                    case 3: V_TILE_M(3); break;                                                         \
-                    default: V_TILE_M(TILE); break;                                                     \
-                }                                                                                       \
+                BY_TILE(V_TILE_M);                                                                      \
             }                                                                                           \
         }                                                                                               \
     }                                                                                                   \
