@@ -1,5 +1,5 @@
-"""The C versions of RMSNorm (+ residual add), SiLU-and-multiply, RoPE and argmax against the torch code
-of Hugging Face's modules they replace."""
+"""The C versions of RMSNorm (+ residual add), SiLU-and-multiply, RoPE, argmax and the float32 linear
+layer against the torch code of Hugging Face's modules they replace."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bulkgen.engine.forward import Ops, rms_norm_torch, rotate
+from bulkgen.engine.forward import Linear, Ops, rms_norm_torch, rotate
 from bulkgen.engine.kernels import load_cpu_kernels
 
 TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=1 / 64, atol=1e-2)}
@@ -70,3 +70,30 @@ def test_argmax_first_on_ties_and_nan_wins() -> None:
     assert got.tolist()[:3] == logits[:3].argmax(dim=-1).tolist() == [logits[0].argmax().item(), 7, 49151]
     assert got[3] == 123 and got[4] == 5
     assert torch.equal(ops.argmax(logits[:, :1000]), logits[:, :1000].argmax(dim=-1)), "strided rows"
+
+
+@pytest.mark.parametrize("rows", [1, 3, 10, 11, 18, 37, 130])
+@pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (100, 64), (5, 3), (49, 1537)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_float32_kernel(rows: int, out_features: int, in_features: int, with_bias: bool) -> None:
+    """Every row-group split (tiles of 1..10 rows), partial last panels (N not a multiple of 48), odd K."""
+    torch.manual_seed(rows * 7 + out_features)
+    weight = torch.randn(out_features, in_features) / in_features ** 0.5
+    bias = torch.randn(out_features) if with_bias else None
+    linear = Linear(weight, bias, pack=True, kernel=load_cpu_kernels())
+    assert linear.kernel is not None, "float32 on CPU runs through the C kernel"
+    x = torch.randn(rows, in_features)
+    torch.testing.assert_close(linear(x), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(linear(x.t().contiguous().t()), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+
+
+def test_linear_float32_kernel_is_batch_invariant() -> None:
+    """Each output is one summation chain over the inputs, whatever the number of rows: a request's
+    logits are the same bits whichever other requests share its step."""
+    torch.manual_seed(5)
+    weight = torch.randn(300, 576) / 24
+    linear = Linear(weight, None, pack=True, kernel=load_cpu_kernels())
+    x = torch.randn(33, 576)
+    alone = torch.cat([linear(x[i:i + 1]) for i in range(33)])
+    assert torch.equal(linear(x), alone)
+    assert torch.equal(linear(x[:18]), alone[:18])

@@ -1,5 +1,5 @@
-"""Our C kernels for the CPU (paged attention for decode steps, the KV write, fused RMSNorm, SiLU-mul
-and argmax): compiled once per machine, loaded with ctypes.
+"""Our C kernels for the CPU (paged attention, the KV write, fused RMSNorm, SiLU-mul, argmax and
+float32 linear layers): compiled once per machine, loaded with ctypes.
 
 It needs only a C compiler with OpenMP (gcc), no torch headers, so it builds in well under a second.
 Where no compiler is found the engine falls back to pure torch, slower but identical in results.
@@ -23,7 +23,7 @@ from bulkgen.config import Paths
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("paged_attention.c", "ops.c")
+SOURCES = ("paged_attention.c", "ops.c", "gemm.c")
 HEADERS = ("vec.h",)
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 _ARGS = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int] * 6 \
@@ -73,10 +73,14 @@ def load_cpu_kernels(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     for name, argtypes in {"rms_norm": [p, p, p, p, i64, i64, ctypes.c_float, i, i],
                            "silu_mul": [p, p, i64, i64, i, i],
                            "argmax_rows": [p, i64, i64, i64, p, i],
-                           "rope": [p, i64, i64, i, i, p, p, i, i]}.items():
+                           "rope": [p, i64, i64, i, i, p, p, i, i],
+                           "pack_linear_f32": [p, i64, i64, p, i],
+                           "linear_f32": [p, i64, i64, p, i64, p, p, i]}.items():
         function = getattr(lib, name)
         function.argtypes = argtypes
         function.restype = None
+    lib.linear_packed_size.argtypes = [i64, i64]
+    lib.linear_packed_size.restype = i64
     return lib
 
 
