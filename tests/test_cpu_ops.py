@@ -97,3 +97,37 @@ def test_linear_float32_kernel_is_batch_invariant() -> None:
     alone = torch.cat([linear(x[i:i + 1]) for i in range(33)])
     assert torch.equal(linear(x), alone)
     assert torch.equal(linear(x[:18]), alone[:18])
+
+
+HAS_AVX512_BF16 = "avx512_bf16" in open("/proc/cpuinfo").read()
+
+
+@pytest.mark.skipif(not HAS_AVX512_BF16, reason="the bfloat16 linear kernel needs AVX512-BF16 (oneDNN runs it otherwise)")
+@pytest.mark.parametrize("rows", [1, 4, 18, 130])
+@pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (100, 64), (49, 1538)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_bfloat16_kernel(rows: int, out_features: int, in_features: int, with_bias: bool) -> None:
+    """float32 sums of bfloat16 products, rounded once: within one bfloat16 rounding of the exact result,
+    like oneDNN's bfloat16 linear."""
+    torch.manual_seed(rows + out_features)
+    weight = (torch.randn(out_features, in_features) / in_features ** 0.5).bfloat16()
+    bias = torch.randn(out_features).bfloat16() if with_bias else None
+    linear = Linear(weight, bias, pack=True, kernel=load_cpu_kernels())
+    assert linear.kernel is not None, "bfloat16 on a CPU with AVX512-BF16 runs through the C kernel"
+    x = torch.randn(rows, in_features).bfloat16()
+    got = linear(x)
+    assert got.dtype == torch.bfloat16
+    exact = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    torch.testing.assert_close(got.double(), exact, rtol=1 / 128, atol=1e-3)
+    torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=1 / 64, atol=1e-2)
+
+
+def test_linear_bfloat16_without_avx512_bf16_runs_through_onednn() -> None:
+    """Built without AVX512-BF16 the kernel declines bfloat16 (and odd K), and oneDNN takes it."""
+    weight = torch.randn(96, 64).bfloat16()
+    x = torch.randn(5, 64).bfloat16()
+    portable = Linear(weight, None, pack=True, kernel=load_cpu_kernels(("-mno-avx512bf16",)))
+    odd = Linear(torch.randn(96, 63).bfloat16(), None, pack=True, kernel=load_cpu_kernels())
+    for linear in (portable, odd):
+        assert linear.kernel is None and linear.packed == torch.backends.mkldnn.is_available()
+    torch.testing.assert_close(portable(x), F.linear(x, weight), rtol=1 / 64, atol=1e-2)

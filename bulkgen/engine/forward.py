@@ -46,22 +46,29 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
 
 
 class Linear:
-    """y = x W^T + b. On CPU: float32 through our C kernel (weights packed once into its panels; 1.3-2×
-    oneDNN for the few rows of a decode step, on par for prefill chunks), other dtypes through oneDNN
-    with the weight reordered once (a third faster than nn.Linear's MKL path); elsewhere torch's linear."""
+    """y = x W^T + b. On CPU: float32, and bfloat16 where the CPU has AVX512-BF16, through our C kernel
+    (weights packed once into its panels; 1.3-2× oneDNN for the few rows of a decode step, on par for
+    prefill chunks); otherwise through oneDNN with the weight reordered once (a third faster than
+    nn.Linear's MKL path); elsewhere torch's linear."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool,
                  kernel: ctypes.CDLL | None = None) -> None:
         on_cpu = weight.device.type == "cpu"
-        self.kernel = kernel if pack and on_cpu and weight.dtype == torch.float32 else None
+        self.out_features, self.in_features = weight.shape
+        ours = kernel is not None and pack and on_cpu and (
+            weight.dtype == torch.float32
+            or weight.dtype == torch.bfloat16 and kernel.linear_bf16_available(self.in_features))
+        self.kernel = kernel if ours else None
         self.packed = pack and on_cpu and self.kernel is None and torch.backends.mkldnn.is_available() \
             and weight.dtype != torch.float16
-        self.out_features, self.in_features = weight.shape
         self.bias = bias
         if self.kernel is not None:
-            self.weight = torch.empty(self.kernel.linear_packed_size(*weight.shape), dtype=torch.float32)
-            self.kernel.pack_linear_f32(weight.contiguous().data_ptr(), self.out_features, self.in_features,
-                                        self.weight.data_ptr(), torch.get_num_threads())
+            self.dtype = weight.dtype
+            self._pack, self._linear = (self.kernel.pack_linear_f32, self.kernel.linear_f32) \
+                if weight.dtype == torch.float32 else (self.kernel.pack_linear_bf16, self.kernel.linear_bf16)
+            self.weight = torch.empty(self.kernel.linear_packed_size(*weight.shape), dtype=weight.dtype)
+            self._pack(weight.contiguous().data_ptr(), self.out_features, self.in_features, self.weight.data_ptr(),
+                       torch.get_num_threads())
             self.bias = None if bias is None else bias.contiguous()
         elif self.packed:
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None)
@@ -69,12 +76,12 @@ class Linear:
             self.weight = weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel is not None and x.dtype == torch.float32:
+        if self.kernel is not None and x.dtype == self.dtype:
             x = x.contiguous()
             y = x.new_empty(*x.shape[:-1], self.out_features)
-            self.kernel.linear_f32(x.data_ptr(), x.numel() // self.in_features, self.in_features, self.weight.data_ptr(),
-                                   self.out_features, None if self.bias is None else self.bias.data_ptr(),
-                                   y.data_ptr(), torch.get_num_threads())
+            self._linear(x.data_ptr(), x.numel() // self.in_features, self.in_features, self.weight.data_ptr(),
+                         self.out_features, None if self.bias is None else self.bias.data_ptr(), y.data_ptr(),
+                         torch.get_num_threads())
             return y
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")

@@ -75,12 +75,16 @@ def load_cpu_kernels(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
                            "argmax_rows": [p, i64, i64, i64, p, i],
                            "rope": [p, i64, i64, i, i, p, p, i, i],
                            "pack_linear_f32": [p, i64, i64, p, i],
-                           "linear_f32": [p, i64, i64, p, i64, p, p, i]}.items():
+                           "linear_f32": [p, i64, i64, p, i64, p, p, i],
+                           "pack_linear_bf16": [p, i64, i64, p, i],
+                           "linear_bf16": [p, i64, i64, p, i64, p, p, i]}.items():
         function = getattr(lib, name)
         function.argtypes = argtypes
         function.restype = None
     lib.linear_packed_size.argtypes = [i64, i64]
     lib.linear_packed_size.restype = i64
+    lib.linear_bf16_available.argtypes = [i64]
+    lib.linear_bf16_available.restype = i
     return lib
 
 

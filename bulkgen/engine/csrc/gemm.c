@@ -1,5 +1,6 @@
 /*
- * float32 linear layers, y = x W^T + b, for the CPU forward pass.
+ * Linear layers, y = x W^T + b, for the CPU forward pass: float32, and bfloat16 where the CPU has
+ * AVX512-BF16 (at the end of this file).
  *
  * Why our own: a decode step multiplies a few rows (the running sequences) by every weight of the
  * model, and those weights (540 MB for SmolLM2-135M) do not fit in any cache, so each step streams
@@ -86,3 +87,99 @@ void linear_f32(const float *x, int64_t M, int64_t K, const float *packed, int64
         }
     }
 }
+
+/*
+ * bfloat16 weights and activations, float32 accumulation, the output rounded to bfloat16 once (as
+ * oneDNN's bfloat16 linear does), where the CPU has AVX512-BF16: `vdpbf16ps` multiplies 16 columns
+ * by a pair of k at once. Packed as [ceil(N/NR)][K/2][NR][2]: for each k pair, a column's two
+ * weights side by side, which is the instruction's operand layout. Elsewhere (or for odd K)
+ * linear_bf16_available() says no and the caller keeps oneDNN.
+ */
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+
+static inline uint16_t round_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+#define LINEAR_TILE_BF16(MR) \
+    static void tile_bf16_##MR(const uint16_t *restrict x, int64_t K, const uint16_t *restrict w, \
+                               uint16_t *restrict y, int64_t ldy, int ncols, const uint16_t *restrict bias) { \
+        __m512 acc[MR][NR / 16]; \
+        _Pragma("GCC unroll 16") for (int r = 0; r < MR; r++) \
+            _Pragma("GCC unroll 4") for (int j = 0; j < NR / 16; j++) acc[r][j] = _mm512_setzero_ps(); \
+        for (int64_t k = 0; k < K; k += 2) { \
+            __m512bh wk[NR / 16]; \
+            _Pragma("GCC unroll 4") for (int j = 0; j < NR / 16; j++) \
+                wk[j] = (__m512bh)_mm512_loadu_si512(w + k * NR + 32 * j); \
+            _Pragma("GCC unroll 16") for (int r = 0; r < MR; r++) { \
+                uint32_t pair; \
+                memcpy(&pair, x + r * K + k, sizeof pair); \
+                __m512bh b = (__m512bh)_mm512_set1_epi32((int)pair); \
+                _Pragma("GCC unroll 4") for (int j = 0; j < NR / 16; j++) \
+                    acc[r][j] = _mm512_dpbf16_ps(acc[r][j], wk[j], b); \
+            } \
+        } \
+        for (int r = 0; r < MR; r++) { \
+            float out[NR]; \
+            for (int j = 0; j < NR / 16; j++) _mm512_storeu_ps(out + 16 * j, acc[r][j]); \
+            for (int j = 0; j < ncols; j++) { \
+                float v = out[j]; \
+                if (bias) { uint32_t b = (uint32_t)bias[j] << 16; float bf; memcpy(&bf, &b, 4); v += bf; } \
+                y[r * ldy + j] = round_bf16(v); \
+            } \
+        } \
+    }
+
+LINEAR_TILE_BF16(1) LINEAR_TILE_BF16(2) LINEAR_TILE_BF16(3) LINEAR_TILE_BF16(4) LINEAR_TILE_BF16(5)
+LINEAR_TILE_BF16(6) LINEAR_TILE_BF16(7) LINEAR_TILE_BF16(8) LINEAR_TILE_BF16(9) LINEAR_TILE_BF16(10)
+
+typedef void (*tile_bf16_fn)(const uint16_t *, int64_t, const uint16_t *, uint16_t *, int64_t, int, const uint16_t *);
+static const tile_bf16_fn TILES_BF16[MR_MAX + 1] = {0, tile_bf16_1, tile_bf16_2, tile_bf16_3, tile_bf16_4,
+                                                    tile_bf16_5, tile_bf16_6, tile_bf16_7, tile_bf16_8,
+                                                    tile_bf16_9, tile_bf16_10};
+
+int linear_bf16_available(int64_t K) { return K % 2 == 0; }
+
+void pack_linear_bf16(const uint16_t *w, int64_t N, int64_t K, uint16_t *out, int num_threads) {
+    int64_t panels = (N + NR - 1) / NR;
+    #pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t k = 0; k < K; k += 2)
+            for (int j = 0; j < NR; j++)
+                for (int t = 0; t < 2; t++) {
+                    int64_t n = p * NR + j;
+                    out[((p * K + k) * NR) + 2 * j + t] = n < N ? w[n * K + k + t] : 0;
+                }
+}
+
+void linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *packed, int64_t N,
+                 const uint16_t *bias, uint16_t *y, int num_threads) {
+    if (M <= 0 || N <= 0)
+        return;
+    int64_t panels = (N + NR - 1) / NR;
+    int64_t groups = (M + MR_MAX - 1) / MR_MAX, rows = (M + groups - 1) / groups;
+    #pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t p = 0; p < panels; p++) {
+        int ncols = (int)(N - p * NR < NR ? N - p * NR : NR);
+        for (int64_t r0 = 0; r0 < M; r0 += rows) {
+            int64_t mr = M - r0 < rows ? M - r0 : rows;
+            TILES_BF16[mr](x + r0 * K, K, packed + p * K * NR, y + r0 * N + p * NR, N, ncols,
+                           bias ? bias + p * NR : 0);
+        }
+    }
+}
+#else
+int linear_bf16_available(int64_t K) { (void)K; return 0; }
+void pack_linear_bf16(const uint16_t *w, int64_t N, int64_t K, uint16_t *out, int num_threads) {
+    (void)w; (void)N; (void)K; (void)out; (void)num_threads;
+}
+void linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *packed, int64_t N,
+                 const uint16_t *bias, uint16_t *y, int num_threads) {
+    (void)x; (void)M; (void)K; (void)packed; (void)N; (void)bias; (void)y; (void)num_threads;
+}
+#endif
