@@ -100,7 +100,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # kernel: our C paged attention (CPU); torch: pure torch
     num_threads: int | None = None  # torch intra-op threads on CPU
-    pack_weights: bool = True  # CPU: reorder linear weights once for oneDNN (faster GEMMs)
+    pack_weights: bool = True  # CPU: pack linear weights once for our C GEMM (float32, bfloat16) or oneDNN
     fast_forward: bool = True  # Llama family: our lean forward (False: always Hugging Face's modules)
 
     def __post_init__(self) -> None:
