@@ -19,6 +19,17 @@ can start, so short requests fill the room without ever delaying the long one (a
 `max_new_tokens` at first (exact when EOS is ignored, as in benchmarks) and then scaled by the
 share of their budget that finished requests actually used.
 
+Spreading ends (`lpt` only). Requests admitted together with similar budgets also end together: the
+cache empties at once, and the requests that replace them start small (their prompts) and take
+their whole run to fill it again (the saw-tooth of the KV plot). So whenever a request has finished,
+the longer half of the waiting queue is reordered: first the requests whose projected end falls at
+least an average spacing (mean remaining work / running sequences) away from every running
+sequence's end, longest first, then the others, longest first. Replayed on the benchmark workloads
+(the real scheduler without a model; 64-512 requests, 4k-16k-token caches) this took 1-5 % fewer
+steps than plain lpt in five cases of five and shortened the tail in four; on small synthetic jobs
+the step count moved by ±1.5 % either way. Measured (256 prompts, 8,192-token cache, each order
+run both ways): the tail half of fifo's (6.0 and 5.9 s against 12.0 and 11.9), throughput a tie.
+
 Padding: the engine runs ragged batches (no padding in the linear layers, attention per sequence on
 its own blocks), so no padded computation remains to measure; the padding fraction is 0 by
 construction, and the bench reports it for the static-batch peers.
@@ -26,6 +37,7 @@ construction, and the bench reports it for the static-batch peers.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -66,6 +78,7 @@ class KVAdmission:
     watermark: float = 0.0  # share of blocks kept free for safety (0: plan to the last block)
     lookahead: int = 64  # how far down the waiting queue the scheduler looks for a request that fits
     output_share: float = 1.0  # expected output / max_new_tokens, learned from finished requests
+    spread_ends: bool = False  # reorder the queue's longer half so that ends are spread (lpt's refinement)
     _finished_budget: int = 0
     _finished_output: int = 0
 
@@ -88,6 +101,30 @@ class KVAdmission:
             if peak_blocks([*later, head], self.block_size) <= capacity:
                 return step
         return loads[-1][1] if loads else 0
+
+    def prioritize(self, waiting: deque[Any], running: list[Any]) -> None:
+        """Reorder `waiting` in place before admission (the scheduler calls this after a request has
+        finished). Sequences sent back by preemption keep their place at the front."""
+        if not self.spread_ends or not running or len(waiting) < 2:
+            return
+        items = list(waiting)
+        start = 0
+        while start < len(items) and items[start].num_preemptions > 0:
+            start += 1
+        fresh = items[start:]
+        if len(fresh) < 2:
+            return
+        remaining = {id(s): self._remaining(s) for s in fresh}
+        spacing = sum(remaining.values()) / len(fresh) / len(running)
+        ends = [self._remaining(s) for s in running]
+        half = len(fresh) // 2
+
+        def key(s: Any) -> tuple[bool, int]:
+            r = remaining[id(s)]
+            return min(abs(r - end) for end in ends) < spacing, -r
+
+        waiting.clear()
+        waiting.extend([*items[:start], *sorted(fresh[:half], key=key), *fresh[half:]])
 
     def remaining_steps(self, seq: Any) -> int:
         return self._remaining(seq) + 1

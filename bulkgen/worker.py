@@ -88,8 +88,8 @@ class Worker:
         self.options = options or WorkerOptions()
         self.worker_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.summary = RunSummary(self.worker_id)
-        self._engine_factory = engine_factory or (lambda path, config: _default_engine(path, config,
-                                                                                        self.options.kv_admission))
+        self._engine_factory = engine_factory or (lambda path, config: _default_engine(
+            path, config, self.options.kv_admission, spread_ends=self.options.packing == "lpt"))
         self._engines: dict[str, Any] = {}
         self._stop_requested: str | None = None
         self._stop_time = 0.0
@@ -331,12 +331,14 @@ class _Heartbeat(threading.Thread):
         self.join(timeout=5)
 
 
-def _default_engine(model_path: str, config: EngineConfig, kv_admission: bool = True) -> Any:
+def _default_engine(model_path: str, config: EngineConfig, kv_admission: bool = True,
+                    spread_ends: bool = True) -> Any:
     from bulkgen.engine.engine import Engine
 
     engine = Engine(model_path, config)
     if kv_admission:
         from bulkgen.packing import KVAdmission
 
-        engine.scheduler.admission = KVAdmission(engine.block_manager.num_blocks, engine.block_manager.block_size)
+        engine.scheduler.admission = KVAdmission(engine.block_manager.num_blocks, engine.block_manager.block_size,
+                                                 spread_ends=spread_ends)
     return engine

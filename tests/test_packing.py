@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 import pytest
@@ -79,6 +80,34 @@ def test_kv_admission_learns_the_output_share() -> None:
     assert admission.output_share == pytest.approx(0.25)
 
 
+def _running(request_id: int, prompt: int, max_new: int, done: int) -> Sequence:
+    seq = _seq(request_id, prompt, max_new)
+    for _ in range(done):
+        seq.append_token(7)
+    return seq
+
+
+def test_spreading_ends_reorders_the_longer_half_of_the_queue() -> None:
+    admission = KVAdmission(num_blocks=100, block_size=16, spread_ends=True)
+    running = [_running(90, 10, 110, 10), _running(91, 10, 100, 5)]  # 100 and 95 steps left
+    waiting = deque(_seq(i, 10, n) for i, n in enumerate([100, 97, 60, 50, 10, 5]))
+    admission.prioritize(waiting, running)
+    # spacing = mean remaining (53.7) / 2 running = 26.8: of the longer half, 60 ends 35 steps from
+    # the nearest running end; 100 and 97 would end with the running ones. The shorter half stays.
+    assert [s.params.max_new_tokens for s in waiting] == [60, 100, 97, 50, 10, 5]
+
+
+def test_spreading_ends_keeps_preempted_sequences_first_and_is_off_by_default() -> None:
+    running = [_running(90, 10, 110, 10)]
+    preempted = _seq(9, 10, 100)
+    preempted.num_preemptions = 1
+    for spread, want in ((True, [100, 40, 100, 90, 30, 1, 1]), (False, [100, 100, 90, 40, 30, 1, 1])):
+        waiting = deque([preempted, *(_seq(i, 10, n) for i, n in enumerate([100, 90, 40, 30, 1, 1]))])
+        KVAdmission(num_blocks=100, block_size=16, spread_ends=spread).prioritize(waiting, running)
+        assert waiting[0] is preempted
+        assert [s.params.max_new_tokens for s in waiting] == want
+
+
 def test_packing_removes_preemption_under_a_tight_cache(tiny_model_dir) -> None:
     import random
 
@@ -89,11 +118,12 @@ def test_packing_removes_preemption_under_a_tight_cache(tiny_model_dir) -> None:
     prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(10, 200))] for _ in range(30)]
     params = [SamplingParams(max_new_tokens=rng.randint(8, 80), ignore_eos=True) for _ in prompts]
     results = {}
-    for admission in (False, True):
+    for admission in (False, True, "spread"):
         engine = Engine(tiny_model_dir, EngineConfig(kv_cache_memory=600 * 512, block_size=8, max_num_seqs=32))
         if admission:
-            engine.scheduler.admission = KVAdmission(engine.block_manager.num_blocks, 8)
+            engine.scheduler.admission = KVAdmission(engine.block_manager.num_blocks, 8,
+                                                     spread_ends=admission == "spread")
         outs = {o.request_id: o.output_token_ids for o in engine.generate(prompts, params)}
         results[admission] = (engine.stats.num_preemptions, outs)
-    assert results[False][0] > 0 and results[True][0] == 0
-    assert results[False][1] == results[True][1]
+    assert results[False][0] > 0 and results[True][0] == 0 and results["spread"][0] == 0
+    assert results[False][1] == results[True][1] == results["spread"][1]

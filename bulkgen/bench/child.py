@@ -27,7 +27,8 @@ def run_bulkgen(spec: dict[str, Any], workload: Workload) -> dict[str, Any]:
     config = EngineConfig(**spec["engine_config"])
     engine = Engine(spec["model"], config)
     if spec.get("kv_admission", True):
-        engine.scheduler.admission = KVAdmission(engine.block_manager.num_blocks, engine.block_manager.block_size)
+        engine.scheduler.admission = KVAdmission(engine.block_manager.num_blocks, engine.block_manager.block_size,
+                                                 spread_ends=spec.get("policy", "lpt") == "lpt")
     engine.stats.keep_steps = True
     items = order(list(range(len(workload.prompts))), spec.get("policy", "lpt"),
                   prompt_len=lambda i: len(workload.prompts[i]), max_new=lambda i: workload.max_new_tokens[i])

@@ -42,6 +42,10 @@ class AdmissionPolicy(Protocol):
 
     def remaining_steps(self, seq: Sequence) -> int: ...
 
+    def prioritize(self, waiting: deque[Sequence], running: list[Sequence]) -> None:
+        """Optional: reorder the waiting queue in place; called before admission after a finish."""
+        ...
+
     def observe_finished(self, num_output_tokens: int, max_new_tokens: int, ignore_eos: bool) -> None: ...
 
 
@@ -55,6 +59,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is preempted first
         self.num_preemptions = 0
+        self._finished_since_admission = False
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -100,6 +105,9 @@ class Scheduler:
         # An admission policy may backfill: look further down the queue for sequences that fit now
         # and will have finished by the time the first one can start, so they never delay it.
         lookahead = getattr(self.admission, "lookahead", 1) if self.admission is not None else 1
+        if self._finished_since_admission and hasattr(self.admission, "prioritize"):
+            self.admission.prioritize(self.waiting, self.running)
+        self._finished_since_admission = False
         i = 0
         horizon: int | None = None  # steps until the blocked head of the queue can start
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -136,6 +144,7 @@ class Scheduler:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
         seq.status = status
+        self._finished_since_admission = True
         if self.admission is not None and status != SequenceStatus.FINISHED_ABORTED:
             self.admission.observe_finished(seq.num_output_tokens, seq.params.max_new_tokens, seq.params.ignore_eos)
 
