@@ -76,7 +76,9 @@ class Linear:
             self.weight = weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel is not None and x.dtype == self.dtype:
+        if self.kernel is not None:
+            if x.dtype != self.dtype:
+                raise TypeError(f"linear layer in {self.dtype} got {x.dtype} input")
             x = x.contiguous()
             y = x.new_empty(*x.shape[:-1], self.out_features)
             self._linear(x.data_ptr(), x.numel() // self.in_features, self.in_features, self.weight.data_ptr(),

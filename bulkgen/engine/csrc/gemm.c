@@ -27,9 +27,32 @@
 
 static inline vf16 splat(float v) { return -(vf16){} + v; } /* -0.0 + v == v: folds to one broadcast */
 
+/* A tile: rows x[0..MR) against one panel w, into y (row stride ldy), the first ncols columns. */
+typedef void (*tile_fn)(const void *x, int64_t K, const void *w, void *y, int64_t ldy, int ncols, const void *bias);
+
+/* Threads over panels; within a panel, balanced groups of at most MR_MAX rows. elem: bytes per value. */
+static void run_tiles(const tile_fn *tiles, size_t elem, const char *x, int64_t M, int64_t K, const char *packed,
+                      int64_t N, const char *bias, char *y, int num_threads) {
+    if (M <= 0 || N <= 0)
+        return;
+    int64_t panels = (N + NR - 1) / NR;
+    int64_t groups = (M + MR_MAX - 1) / MR_MAX, rows = (M + groups - 1) / groups;
+    #pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t p = 0; p < panels; p++) {
+        int ncols = (int)(N - p * NR < NR ? N - p * NR : NR);
+        for (int64_t r0 = 0; r0 < M; r0 += rows) {
+            int64_t mr = M - r0 < rows ? M - r0 : rows;
+            tiles[mr](x + r0 * K * elem, K, packed + p * K * NR * elem, y + (r0 * N + p * NR) * elem, N, ncols,
+                      bias ? bias + p * NR * elem : 0);
+        }
+    }
+}
+
 #define LINEAR_TILE(MR) \
-    static void tile_##MR(const float *restrict x, int64_t K, const float *restrict w, float *restrict y, \
-                          int64_t ldy, int ncols, const float *restrict bias) { \
+    static void tile_##MR(const void *x_, int64_t K, const void *w_, void *y_, int64_t ldy, int ncols, \
+                          const void *bias_) { \
+        const float *restrict x = x_, *restrict w = w_, *restrict bias = bias_; \
+        float *restrict y = y_; \
         vf16 acc[MR][NR / 16]; \
         _Pragma("GCC unroll 16") for (int r = 0; r < MR; r++) \
             _Pragma("GCC unroll 4") for (int j = 0; j < NR / 16; j++) acc[r][j] = (vf16){0}; \
@@ -53,7 +76,6 @@ static inline vf16 splat(float v) { return -(vf16){} + v; } /* -0.0 + v == v: fo
 LINEAR_TILE(1) LINEAR_TILE(2) LINEAR_TILE(3) LINEAR_TILE(4) LINEAR_TILE(5)
 LINEAR_TILE(6) LINEAR_TILE(7) LINEAR_TILE(8) LINEAR_TILE(9) LINEAR_TILE(10)
 
-typedef void (*tile_fn)(const float *, int64_t, const float *, float *, int64_t, int, const float *);
 static const tile_fn TILES[MR_MAX + 1] = {0, tile_1, tile_2, tile_3, tile_4, tile_5,
                                           tile_6, tile_7, tile_8, tile_9, tile_10};
 
@@ -74,18 +96,8 @@ void pack_linear_f32(const float *w, int64_t N, int64_t K, float *out, int num_t
 /* y [M, N] = x [M, K] (contiguous rows) times the packed weight, plus bias [N] (or NULL). */
 void linear_f32(const float *x, int64_t M, int64_t K, const float *packed, int64_t N, const float *bias,
                 float *y, int num_threads) {
-    if (M <= 0 || N <= 0)
-        return;
-    int64_t panels = (N + NR - 1) / NR;
-    int64_t groups = (M + MR_MAX - 1) / MR_MAX, rows = (M + groups - 1) / groups;
-    #pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t p = 0; p < panels; p++) {
-        int ncols = (int)(N - p * NR < NR ? N - p * NR : NR);
-        for (int64_t r0 = 0; r0 < M; r0 += rows) {
-            int64_t mr = M - r0 < rows ? M - r0 : rows;
-            TILES[mr](x + r0 * K, K, packed + p * K * NR, y + r0 * N + p * NR, N, ncols, bias ? bias + p * NR : 0);
-        }
-    }
+    run_tiles(TILES, sizeof(float), (const char *)x, M, K, (const char *)packed, N, (const char *)bias, (char *)y,
+              num_threads);
 }
 
 /*
@@ -98,17 +110,11 @@ void linear_f32(const float *x, int64_t M, int64_t K, const float *packed, int64
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 
-static inline uint16_t round_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
 #define LINEAR_TILE_BF16(MR) \
-    static void tile_bf16_##MR(const uint16_t *restrict x, int64_t K, const uint16_t *restrict w, \
-                               uint16_t *restrict y, int64_t ldy, int ncols, const uint16_t *restrict bias) { \
+    static void tile_bf16_##MR(const void *x_, int64_t K, const void *w_, void *y_, int64_t ldy, int ncols, \
+                               const void *bias_) { \
+        const uint16_t *restrict x = x_, *restrict w = w_, *restrict bias = bias_; \
+        uint16_t *restrict y = y_; \
         __m512 acc[MR][NR / 16]; \
         _Pragma("GCC unroll 16") for (int r = 0; r < MR; r++) \
             _Pragma("GCC unroll 4") for (int j = 0; j < NR / 16; j++) acc[r][j] = _mm512_setzero_ps(); \
@@ -128,9 +134,7 @@ static inline uint16_t round_bf16(float f) {
             float out[NR]; \
             for (int j = 0; j < NR / 16; j++) _mm512_storeu_ps(out + 16 * j, acc[r][j]); \
             for (int j = 0; j < ncols; j++) { \
-                float v = out[j]; \
-                if (bias) { uint32_t b = (uint32_t)bias[j] << 16; float bf; memcpy(&bf, &b, 4); v += bf; } \
-                y[r * ldy + j] = round_bf16(v); \
+                y[r * ldy + j] = f32_to_bf16(bias ? out[j] + bf16_to_f32(bias[j]) : out[j]); \
             } \
         } \
     }
@@ -138,8 +142,7 @@ static inline uint16_t round_bf16(float f) {
 LINEAR_TILE_BF16(1) LINEAR_TILE_BF16(2) LINEAR_TILE_BF16(3) LINEAR_TILE_BF16(4) LINEAR_TILE_BF16(5)
 LINEAR_TILE_BF16(6) LINEAR_TILE_BF16(7) LINEAR_TILE_BF16(8) LINEAR_TILE_BF16(9) LINEAR_TILE_BF16(10)
 
-typedef void (*tile_bf16_fn)(const uint16_t *, int64_t, const uint16_t *, uint16_t *, int64_t, int, const uint16_t *);
-static const tile_bf16_fn TILES_BF16[MR_MAX + 1] = {0, tile_bf16_1, tile_bf16_2, tile_bf16_3, tile_bf16_4,
+static const tile_fn TILES_BF16[MR_MAX + 1] = {0, tile_bf16_1, tile_bf16_2, tile_bf16_3, tile_bf16_4,
                                                     tile_bf16_5, tile_bf16_6, tile_bf16_7, tile_bf16_8,
                                                     tile_bf16_9, tile_bf16_10};
 
@@ -159,19 +162,8 @@ void pack_linear_bf16(const uint16_t *w, int64_t N, int64_t K, uint16_t *out, in
 
 void linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *packed, int64_t N,
                  const uint16_t *bias, uint16_t *y, int num_threads) {
-    if (M <= 0 || N <= 0)
-        return;
-    int64_t panels = (N + NR - 1) / NR;
-    int64_t groups = (M + MR_MAX - 1) / MR_MAX, rows = (M + groups - 1) / groups;
-    #pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t p = 0; p < panels; p++) {
-        int ncols = (int)(N - p * NR < NR ? N - p * NR : NR);
-        for (int64_t r0 = 0; r0 < M; r0 += rows) {
-            int64_t mr = M - r0 < rows ? M - r0 : rows;
-            TILES_BF16[mr](x + r0 * K, K, packed + p * K * NR, y + r0 * N + p * NR, N, ncols,
-                           bias ? bias + p * NR : 0);
-        }
-    }
+    run_tiles(TILES_BF16, sizeof(uint16_t), (const char *)x, M, K, (const char *)packed, N, (const char *)bias,
+              (char *)y, num_threads);
 }
 #else
 int linear_bf16_available(int64_t K) { (void)K; return 0; }

@@ -15,6 +15,22 @@ static inline vf16 float_of(vu16 u) { vf16 f; memcpy(&f, &u, sizeof f); return f
 
 static inline vf16 vload_f32(const float *p) { vf16 v; memcpy(&v, p, sizeof v); return v; }
 
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* Round to nearest even, as torch (c10::BFloat16) does; NaN stays NaN. */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
 static inline vf16 vload_bf16(const uint16_t *p) {
     vh16 h;
     memcpy(&h, p, sizeof h);
