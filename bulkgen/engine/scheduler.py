@@ -112,12 +112,13 @@ class Scheduler:
         horizon: int | None = None  # steps until the blocked head of the queue can start
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[i]
-            cached = bm.find_cached_prefix(seq)
-            num_new = min(seq.num_tokens - len(cached) * bm.block_size, budget)
-            fits = bm.can_allocate(seq, num_new, cached) and (
-                self.admission is None or self.admission.can_admit(seq, self.running))
-            if fits and horizon is not None:
-                fits = self.admission.remaining_steps(seq) < horizon
+            # A backfill must end before the blocked head can start: that cheap test first.
+            fits = horizon is None or self.admission.remaining_steps(seq) < horizon
+            if fits:
+                cached = bm.find_cached_prefix(seq)
+                num_new = min(seq.num_tokens - len(cached) * bm.block_size, budget)
+                fits = bm.can_allocate(seq, num_new, cached) and (
+                    self.admission is None or self.admission.can_admit(seq, self.running))
             if not fits:
                 if i + 1 >= lookahead:
                     break
