@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bulkgen.engine.forward import Linear, Ops, rms_norm_torch, rotate
+from bulkgen.engine.forward import GatedLinear, Linear, Ops, fused, rms_norm_torch, rotate
 from bulkgen.engine.kernels import load_cpu_kernels
 
 TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=1 / 64, atol=1e-2)}
@@ -131,3 +131,35 @@ def test_linear_bfloat16_without_avx512_bf16_runs_through_onednn() -> None:
     for linear in (portable, odd):
         assert linear.kernel is None and linear.packed == torch.backends.mkldnn.is_available()
     torch.testing.assert_close(portable(x), F.linear(x, weight), rtol=1 / 64, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("intermediate", "hidden"), [(1536, 576), (100, 64)])
+def test_gated_linear_is_the_fused_linear_then_silu_mul(dtype: torch.dtype, intermediate: int, hidden: int) -> None:
+    """The MLP input in one pass (SiLU-and-multiply as the GEMM's epilogue) gives the same bits as the
+    fused gate|up linear layer followed by silu_mul, for every row-group split and a partial last panel."""
+    if dtype == torch.bfloat16 and not HAS_AVX512_BF16:
+        pytest.skip("the bfloat16 linear kernel needs AVX512-BF16")
+    torch.manual_seed(intermediate)
+    gate, up = (torch.nn.Linear(hidden, intermediate, bias=False).to(dtype) for _ in range(2))
+    ops = _ops(dtype)
+    one_pass = GatedLinear(gate, up, pack=True, kernel=load_cpu_kernels(), ops=ops)
+    two_steps = fused(gate, up, pack=True, kernel=load_cpu_kernels())
+    assert one_pass.linear is None, "the C kernel takes it"
+    for rows in (1, 7, 10, 11, 37, 300):
+        x = torch.randn(rows, hidden).to(dtype)
+        got = one_pass(x)
+        assert got.shape == (rows, intermediate) and got.dtype == dtype
+        assert torch.equal(got, ops.silu_mul(two_steps(x)))
+    reference = F.silu(F.linear(x, gate.weight)) * F.linear(x, up.weight)
+    torch.testing.assert_close(got, reference, **TOLERANCE[dtype])
+
+
+def test_gated_linear_without_the_kernel_is_torch() -> None:
+    torch.manual_seed(9)
+    gate, up = torch.nn.Linear(64, 96), torch.nn.Linear(64, 96)  # biases: the kernel path declines them
+    x = torch.randn(5, 64)
+    for kernel in (None, load_cpu_kernels()):
+        layer = GatedLinear(gate, up, pack=True, kernel=kernel, ops=Ops(kernel, torch.float32))
+        assert layer.linear is not None
+        torch.testing.assert_close(layer(x), F.silu(gate(x)) * up(x), rtol=1e-5, atol=1e-6)

@@ -3,8 +3,9 @@
 The same math as Hugging Face's modules, on their weights, in the same order of operations, but
 without the module machinery: a decode step of a small model spends as much time in Python as in
 its GEMMs otherwise (30 layers × 9 modules × kwargs plumbing: about 9 ms a step for SmolLM2-135M).
-Also: q, k, v are one GEMM and gate, up are one GEMM (fused weights, 7 GEMMs a layer become 4);
-RMSNorm, the residual add before it and SiLU-and-multiply run as one C pass each on CPU; the final
+Also: q, k, v are one GEMM and gate, up are one GEMM (fused weights, 7 GEMMs a layer become 4),
+with SiLU-and-multiply applied as that GEMM's epilogue on CPU; RMSNorm and the residual add before it
+run as one C pass; the final
 norm and the LM head see only the rows that are sampled.
 
 Models outside the family (or with features this does not reproduce: q/k norms, biases on o_proj or
@@ -55,20 +56,14 @@ class Linear:
                  kernel: ctypes.CDLL | None = None) -> None:
         on_cpu = weight.device.type == "cpu"
         self.out_features, self.in_features = weight.shape
-        ours = kernel is not None and pack and on_cpu and (
-            weight.dtype == torch.float32
-            or weight.dtype == torch.bfloat16 and kernel.linear_bf16_available(self.in_features))
-        self.kernel = kernel if ours else None
+        self.kernel = kernel if pack and kernel_takes(kernel, weight) else None
         self.packed = pack and on_cpu and self.kernel is None and torch.backends.mkldnn.is_available() \
             and weight.dtype != torch.float16
         self.bias = bias
         if self.kernel is not None:
             self.dtype = weight.dtype
-            self._pack, self._linear = (self.kernel.pack_linear_f32, self.kernel.linear_f32) \
-                if weight.dtype == torch.float32 else (self.kernel.pack_linear_bf16, self.kernel.linear_bf16)
-            self.weight = torch.empty(self.kernel.linear_packed_size(*weight.shape), dtype=weight.dtype)
-            self._pack(weight.contiguous().data_ptr(), self.out_features, self.in_features, self.weight.data_ptr(),
-                       torch.get_num_threads())
+            self._linear = self.kernel.linear_f32 if weight.dtype == torch.float32 else self.kernel.linear_bf16
+            self.weight = pack_weight(self.kernel, weight)
             self.bias = None if bias is None else bias.contiguous()
         elif self.packed:
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None)
@@ -88,6 +83,51 @@ class Linear:
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+def kernel_takes(kernel: ctypes.CDLL | None, weight: torch.Tensor) -> bool:
+    """Whether our C linear layers run this weight: float32, and bfloat16 where the CPU has AVX512-BF16."""
+    return kernel is not None and weight.device.type == "cpu" and (
+        weight.dtype == torch.float32
+        or weight.dtype == torch.bfloat16 and bool(kernel.linear_bf16_available(weight.shape[1])))
+
+
+def pack_weight(kernel: ctypes.CDLL, weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] in the C linear layers' panels."""
+    pack = kernel.pack_linear_f32 if weight.dtype == torch.float32 else kernel.pack_linear_bf16
+    out = torch.empty(kernel.linear_packed_size(*weight.shape), dtype=weight.dtype)
+    pack(weight.contiguous().data_ptr(), *weight.shape, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+class GatedLinear:
+    """The MLP's input: silu(x Wg^T) * (x Wu^T). With our C linear layers, one pass: the tiles of the
+    gate and of the up projection for the same columns meet in cache and leave as the activation, so the
+    [rows, 2 × intermediate] product is never written out and read back (the same bits as the two steps).
+    Otherwise one fused linear layer, then Ops.silu_mul."""
+
+    def __init__(self, gate: torch.nn.Linear, up: torch.nn.Linear, pack: bool, kernel: ctypes.CDLL | None,
+                 ops: Ops) -> None:
+        self.ops = ops
+        self.in_features, self.out_features = gate.in_features, gate.out_features
+        self.linear: Linear | None = None
+        if pack and gate.bias is None and up.bias is None and kernel_takes(kernel, gate.weight):
+            self.dtype = gate.weight.dtype
+            self.weight = torch.cat([pack_weight(kernel, lin.weight.detach()) for lin in (gate, up)])
+            self._function = kernel.linear_silu_mul_f32 if self.dtype == torch.float32 else kernel.linear_silu_mul_bf16
+        else:
+            self.linear = fused(gate, up, pack=pack, kernel=kernel)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.linear is not None:
+            return self.ops.silu_mul(self.linear(x))
+        if x.dtype != self.dtype:
+            raise TypeError(f"linear layer in {self.dtype} got {x.dtype} input")
+        x = x.contiguous()
+        out = x.new_empty(*x.shape[:-1], self.out_features)
+        self._function(x.data_ptr(), x.numel() // self.in_features, self.in_features, self.weight.data_ptr(),
+                       self.out_features, out.data_ptr(), torch.get_num_threads())
+        return out
 
 
 def fused(*linears: torch.nn.Linear, pack: bool, kernel: ctypes.CDLL | None = None) -> Linear:
@@ -169,12 +209,12 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 class _Layer:
-    def __init__(self, layer: torch.nn.Module, pack: bool, kernel: ctypes.CDLL | None) -> None:
+    def __init__(self, layer: torch.nn.Module, pack: bool, kernel: ctypes.CDLL | None, ops: Ops) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.qkv = fused(attn.q_proj, attn.k_proj, attn.v_proj, pack=pack, kernel=kernel)
         self.q_size, self.kv_size = attn.q_proj.out_features, attn.k_proj.out_features
         self.o = Linear(attn.o_proj.weight.detach(), None, pack, kernel)
-        self.gate_up = fused(mlp.gate_proj, mlp.up_proj, pack=pack, kernel=kernel)
+        self.mlp_in = GatedLinear(mlp.gate_proj, mlp.up_proj, pack, kernel, ops)
         self.down = Linear(mlp.down_proj.weight.detach(), None, pack, kernel)
         self.input_norm = layer.input_layernorm.weight.detach()
         self.post_norm = layer.post_attention_layernorm.weight.detach()
@@ -197,11 +237,11 @@ class LlamaForward:
         self.rotary = inner.rotary_emb
         self.final_norm = inner.norm.weight.detach()
         self.final_eps = inner.norm.variance_epsilon
-        self.layers = [_Layer(layer, pack, kernel) for layer in inner.layers]
+        self.ops = Ops(kernel, self.final_norm.dtype)
+        self.layers = [_Layer(layer, pack, kernel, self.ops) for layer in inner.layers]
         head = model.lm_head
         self.lm_head = Linear(head.weight.detach(), None if head.bias is None else head.bias.detach(), pack, kernel)
         model.lm_head = torch.nn.Identity()  # its (packed) copy is ours now; tied embeddings keep theirs
-        self.ops = Ops(kernel, self.final_norm.dtype)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
                  meta: attention.AttentionMetadata) -> torch.Tensor:
@@ -220,7 +260,7 @@ class LlamaForward:
                 q, k = rotate(q, cos, sin), rotate(k, cos, sin)
             o = attention.attend(meta, i, q, k, v, layer.scale)
             x = ops.add_rms_norm(h, layer.o(o.view(num_tokens, -1)), layer.post_norm, layer.eps)
-            down = layer.down(ops.silu_mul(layer.gate_up(x)))
+            down = layer.down(layer.mlp_in(x))
             if i + 1 < len(self.layers):
                 x = ops.add_rms_norm(h, down, self.layers[i + 1].input_norm, self.layers[i + 1].eps)
             else:

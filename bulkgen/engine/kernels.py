@@ -77,7 +77,9 @@ def load_cpu_kernels(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
                            "pack_linear_f32": [p, i64, i64, p, i],
                            "linear_f32": [p, i64, i64, p, i64, p, p, i],
                            "pack_linear_bf16": [p, i64, i64, p, i],
-                           "linear_bf16": [p, i64, i64, p, i64, p, p, i]}.items():
+                           "linear_bf16": [p, i64, i64, p, i64, p, p, i],
+                           "linear_silu_mul_f32": [p, i64, i64, p, i64, p, i],
+                           "linear_silu_mul_bf16": [p, i64, i64, p, i64, p, i]}.items():
         function = getattr(lib, name)
         function.argtypes = argtypes
         function.restype = None

@@ -12,54 +12,6 @@
 
 #include "vec.h"
 
-static inline float load(const void *p, int64_t i, int dtype) {
-    return dtype == 0 ? ((const float *)p)[i] : bf16_to_f32(((const uint16_t *)p)[i]);
-}
-
-static inline float round_to(float f, int dtype) { return dtype == 0 ? f : bf16_to_f32(f32_to_bf16(f)); }
-
-static inline void store(void *p, int64_t i, float f, int dtype) {
-    if (dtype == 0) ((float *)p)[i] = f;
-    else ((uint16_t *)p)[i] = f32_to_bf16(f);
-}
-
-static inline vf16 vload(const void *p, int64_t i, int dtype) {
-    return dtype == 0 ? vload_f32((const float *)p + i) : vload_bf16((const uint16_t *)p + i);
-}
-
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-#include <immintrin.h>
-/* The CPU's own float32 -> bfloat16 rounding (to nearest even, as torch's). */
-static inline vh16 to_bf16_bits(vf16 f) {
-    __m256bh h = _mm512_cvtneps_pbh((__m512)f);
-    vh16 out;
-    memcpy(&out, &h, sizeof out);
-    return out;
-}
-#define HAVE_BF16_ROUNDING 1
-#endif
-
-static inline vf16 vround_to(vf16 f, int dtype) {
-    if (dtype == 0) return f;
-#ifdef HAVE_BF16_ROUNDING
-    return float_of(__builtin_convertvector(to_bf16_bits(f), vu16) << 16);
-#endif
-    vu16 u = bits_of(f);
-    vu16 nan = (vu16)((u & 0x7fffffffu) > 0x7f800000u);
-    vu16 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-    return float_of((rounded & ~nan) | ((u | 0x400000u) & 0xffff0000u & nan));
-}
-
-static inline void vstore(void *p, int64_t i, vf16 f, int dtype) {
-    if (dtype == 0) { memcpy((float *)p + i, &f, sizeof f); return; }
-#ifdef HAVE_BF16_ROUNDING
-    vh16 h = to_bf16_bits(f);
-#else
-    vh16 h = __builtin_convertvector(bits_of(vround_to(f, 1)) >> 16, vh16);
-#endif
-    memcpy((uint16_t *)p + i, &h, sizeof h);
-}
-
 /* Llama's RMSNorm: y = w * to_dtype(x * rsqrt(mean(x^2) + eps)), statistics in float32.
  * With `residual` (may be NULL): first x += residual (rounded to the dtype, as torch's add), stored
  * back into x, so that one pass does the residual add and the norm of the next sub-layer. */
@@ -90,24 +42,14 @@ void rms_norm(void *x, const void *residual, const void *weight, void *out, int6
     }
 }
 
-/* SiLU-and-multiply of a fused gate|up projection: gate_up [rows, 2 * cols] -> out [rows, cols],
- * out = to_dtype(to_dtype(silu(gate)) * up), silu(g) = g / (1 + exp(-g)). */
+/* SiLU-and-multiply of a fused gate|up projection: gate_up [rows, 2 * cols] -> out [rows, cols]
+ * (see silu_mul_span; the C linear layers also apply it as their epilogue, see linear_silu_mul). */
 void silu_mul(const void *gate_up, void *out, int64_t rows, int64_t cols, int dtype, int num_threads) {
-    const int64_t vec_end = cols / 16 * 16;
+    const size_t elem = dtype == 0 ? sizeof(float) : sizeof(uint16_t);
     #pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * cols > 4096)
-    for (int64_t r = 0; r < rows; r++) {
-        const int64_t g0 = r * 2 * cols, o0 = r * cols;
-        for (int64_t i = 0; i < vec_end; i += 16) {
-            const vf16 g = vload(gate_up, g0 + i, dtype);
-            const vf16 silu = vround_to(g / (1.0f + vexp(-g)), dtype);
-            vstore(out, o0 + i, silu * vload(gate_up, g0 + cols + i, dtype), dtype);
-        }
-        for (int64_t i = vec_end; i < cols; i++) {
-            const float g = load(gate_up, g0 + i, dtype);
-            const float silu = round_to(g / (1.0f + expf(-g)), dtype);
-            store(out, o0 + i, silu * load(gate_up, g0 + cols + i, dtype), dtype);
-        }
-    }
+    for (int64_t r = 0; r < rows; r++)
+        silu_mul_span((const char *)gate_up + r * 2 * cols * elem, (const char *)gate_up + (r * 2 + 1) * cols * elem,
+                      (char *)out + r * cols * elem, cols, dtype);
 }
 
 /* Rotary position embedding in place, as Hugging Face's apply_rotary_pos_emb: for the first num_heads

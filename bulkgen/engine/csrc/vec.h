@@ -2,6 +2,7 @@
  * and the few helpers both kernel files use. */
 #ifndef BULKGEN_VEC_H
 #define BULKGEN_VEC_H
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -53,6 +54,69 @@ static inline vf16 vexp(vf16 x) {
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
     return p * float_of((vu16)((__builtin_convertvector(n, vi16) + 127) << 23));
+}
+
+/* Elements of a tensor in the model's dtype (0 float32, 1 bfloat16), as float32; stores round to it. */
+static inline float load(const void *p, int64_t i, int dtype) {
+    return dtype == 0 ? ((const float *)p)[i] : bf16_to_f32(((const uint16_t *)p)[i]);
+}
+
+static inline float round_to(float f, int dtype) { return dtype == 0 ? f : bf16_to_f32(f32_to_bf16(f)); }
+
+static inline void store(void *p, int64_t i, float f, int dtype) {
+    if (dtype == 0) ((float *)p)[i] = f;
+    else ((uint16_t *)p)[i] = f32_to_bf16(f);
+}
+
+static inline vf16 vload(const void *p, int64_t i, int dtype) {
+    return dtype == 0 ? vload_f32((const float *)p + i) : vload_bf16((const uint16_t *)p + i);
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+/* The CPU's own float32 -> bfloat16 rounding (to nearest even, as torch's). */
+static inline vh16 to_bf16_bits(vf16 f) {
+    __m256bh h = _mm512_cvtneps_pbh((__m512)f);
+    vh16 out;
+    memcpy(&out, &h, sizeof out);
+    return out;
+}
+#define HAVE_BF16_ROUNDING 1
+#endif
+
+static inline vf16 vround_to(vf16 f, int dtype) {
+    if (dtype == 0) return f;
+#ifdef HAVE_BF16_ROUNDING
+    return float_of(__builtin_convertvector(to_bf16_bits(f), vu16) << 16);
+#endif
+    vu16 u = bits_of(f);
+    vu16 nan = (vu16)((u & 0x7fffffffu) > 0x7f800000u);
+    vu16 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    return float_of((rounded & ~nan) | ((u | 0x400000u) & 0xffff0000u & nan));
+}
+
+static inline void vstore(void *p, int64_t i, vf16 f, int dtype) {
+    if (dtype == 0) { memcpy((float *)p + i, &f, sizeof f); return; }
+#ifdef HAVE_BF16_ROUNDING
+    vh16 h = to_bf16_bits(f);
+#else
+    vh16 h = __builtin_convertvector(bits_of(vround_to(f, 1)) >> 16, vh16);
+#endif
+    memcpy((uint16_t *)p + i, &h, sizeof h);
+}
+
+/* out[i] = to_dtype(to_dtype(silu(gate[i])) * up[i]) for i < n, silu(g) = g / (1 + exp(-g)): torch's
+ * F.silu(gate) * up in the dtype. */
+static inline void silu_mul_span(const void *gate, const void *up, void *out, int64_t n, int dtype) {
+    const int64_t vec_end = n / 16 * 16;
+    for (int64_t i = 0; i < vec_end; i += 16) {
+        const vf16 g = vload(gate, i, dtype);
+        vstore(out, i, vround_to(g / (1.0f + vexp(-g)), dtype) * vload(up, i, dtype), dtype);
+    }
+    for (int64_t i = vec_end; i < n; i++) {
+        const float g = load(gate, i, dtype);
+        store(out, i, round_to(g / (1.0f + expf(-g)), dtype) * load(up, i, dtype), dtype);
+    }
 }
 
 #endif
