@@ -34,7 +34,7 @@
 #define MAX_GROUP 64
 #define MAX_HEADS 256
 #ifndef PREFETCH_BLOCKS
-#define PREFETCH_BLOCKS 2  /* how far ahead the next blocks are prefetched */
+#define PREFETCH_BLOCKS 1  /* how far ahead the next block is prefetched (1: best with the KV cache in DRAM) */
 #endif
 #ifndef PREFETCH_LOCALITY
 #define PREFETCH_LOCALITY 1
@@ -47,12 +47,21 @@ static inline void prefetch_head(const char *block, int kv_head, int64_t bytes) 
     for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(part + c, 0, PREFETCH_LOCALITY);
 }
 
-/* Whether to prefetch the block PREFETCH_BLOCKS ahead of block i: it exists, and it does not directly
- * follow the block before it in memory (a contiguous run the hardware prefetcher streams by itself, and
- * faster: software prefetches there cost a third). */
-static inline int ahead(int i, int ctx, int block_size, const int32_t *table) {
-    const int j = i + PREFETCH_BLOCKS;
-    return j * block_size < ctx && table[j] != table[j - 1] + 1;
+/* The block to prefetch while the pass over a sequence's blocks works on block i: the one PREFETCH_BLOCKS
+ * ahead, running on from the last K blocks into the first V blocks (`then`: the V cache during the K
+ * pass, NULL during the V pass), so that neither pass starts on a cold block. NULL where there is none,
+ * or where it directly follows the block before it in memory (a contiguous run the hardware prefetcher
+ * streams by itself, and faster: software prefetches there cost a third). */
+static inline const char *ahead(int i, int ctx, int block_size, const int32_t *table, const void *cache,
+                                const void *then, int64_t block_bytes) {
+    const int j = i + PREFETCH_BLOCKS, nblocks = (ctx + block_size - 1) / block_size;
+    if (PREFETCH_BLOCKS == 0)
+        return NULL;
+    if (j < nblocks)
+        return table[j] == table[j - 1] + 1 ? NULL : (const char *)cache + table[j] * block_bytes;
+    if (then != NULL && j - nblocks < nblocks)
+        return (const char *)then + table[j - nblocks] * block_bytes;
+    return NULL;
 }
 
 static inline float sload_f32(const float *p, int64_t i) { return p[i]; }
@@ -277,8 +286,8 @@ static void NAME(const float *qs, const uint32_t *qpairs, const T *k_cache, cons
     const int ctx_pad = (ctx + block_size - 1) / block_size * block_size;                              \
     for (int t0 = 0; t0 < ctx; t0 += block_size) {                                                      \
         const T *kb0 = k_cache + (int64_t)table[t0 / block_size] * block_stride;                        \
-        const char *next = ahead(t0 / block_size, ctx, block_size, table) ? (const char *)(k_cache  \
-            + (int64_t)table[t0 / block_size + PREFETCH_BLOCKS] * block_stride) : NULL;                \
+        const char *next = ahead(t0 / block_size, ctx, block_size, table, k_cache, v_cache,          \
+                                 sizeof(T) * block_stride);                                             \
         for (int kh = 0; kh < num_kv_heads; kh++) {                                                     \
             const T *kt = kb0 + (int64_t)kh * head_stride;                                              \
             prefetch_head(next, kh, sizeof(T) * head_stride);                                           \
@@ -311,8 +320,8 @@ static void NAME(const float *qs, const uint32_t *qpairs, const T *k_cache, cons
     for (int t0 = 0; t0 < ctx; t0 += block_size) {                                                      \
         const T *vb0 = v_cache + (int64_t)table[t0 / block_size] * block_stride;                        \
         const int n = ctx - t0 < block_size ? ctx - t0 : block_size;                                    \
-        const char *next = ahead(t0 / block_size, ctx, block_size, table) ? (const char *)(v_cache  \
-            + (int64_t)table[t0 / block_size + PREFETCH_BLOCKS] * block_stride) : NULL;                \
+        const char *next = ahead(t0 / block_size, ctx, block_size, table, v_cache, NULL,             \
+                                 sizeof(T) * block_stride);                                             \
         for (int kh = 0; kh < num_kv_heads; kh++) {                                                     \
             const T *vb = vb0 + (int64_t)kh * head_stride;                                              \
             prefetch_head(next, kh, sizeof(T) * head_stride);                                           \
