@@ -45,3 +45,27 @@ def test_bench_synthetic_and_bad_arguments(tmp_path: Path, tiny_model_dir: Path)
     assert "give a workload file or --synthetic" in invoke("bench", expect=2).output
     assert "unknown engine 'tgi'" in invoke("bench", "--synthetic", 2, "--model", tiny_model_dir,
                                              "--compare", "tgi", expect=2).output
+
+
+def test_bench_peer_without_kv_admission_preempts(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """`bulkgen@fifo@no-kv-admission` admits what has blocks now (as vLLM does) and so preempts in a cache
+    too small for the job; the default admits only what fits to the end and never does; both keep every
+    request's tokens."""
+    from bulkgen.bench.run import EngineRun, parse_engines
+
+    assert parse_engines("bulkgen@fifo@no-kv-admission,vllm@bfloat16", "float32") == [
+        EngineRun("bulkgen", "float32", None, "bulkgen"),
+        EngineRun("bulkgen", "float32", "fifo", "bulkgen@fifo@no-kv-admission", False),
+        EngineRun("vllm", "bfloat16", None, "vllm@bfloat16")]
+    out_json = tmp_path / "bench.json"
+    invoke("bench", "--synthetic", 12, "--model", tiny_model_dir, "--max-new-tokens", 48, "--block-size", 16,
+           "--kv-cache-memory", "1MiB", "--compare", "bulkgen@fifo@no-kv-admission", "--reference", "bulkgen",
+           "--json", out_json)
+    engines = {r["engine"]: r for r in json.loads(out_json.read_text())["results"]}
+    assert engines["bulkgen"]["preemptions"] == 0
+    peer = engines["bulkgen@fifo@no-kv-admission"]
+    assert peer["preemptions"] > 0
+    assert peer["identical_share"] == 1.0, "recomputing a preempted sequence gives the same tokens"
+    assert all(r["all_budgets_met"] for r in engines.values())
+    assert "no-kv-admission" in invoke("bench", "--synthetic", 2, "--model", tiny_model_dir,
+                                       "--compare", "vllm@no-kv-admission", expect=2).output

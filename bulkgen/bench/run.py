@@ -31,6 +31,7 @@ class EngineRun:
     dtype: str
     policy: str | None = None  # bulkgen's packing policy, when it differs from the run's
     label: str = ""  # as the user wrote it: bulkgen, vllm@bfloat16, bulkgen@fifo
+    kv_admission: bool | None = None  # bulkgen's KV admission, when it differs from the run's
 
 
 @dataclass
@@ -49,22 +50,29 @@ class BenchOptions:
 
 
 def parse_engines(compare: str, dtype: str) -> list[EngineRun]:
-    """'hf-static-sorted,vllm@bfloat16,bulkgen@fifo' → bulkgen first, then each peer; a suffix after @ is
-    a dtype (float32, bfloat16, float16) or, for bulkgen, a packing policy (lpt, sorted, fifo)."""
+    """'hf-static-sorted,vllm@bfloat16,bulkgen@fifo' → bulkgen first, then each peer. Each suffix after
+    an @ is a dtype (float32, bfloat16, float16) or, for bulkgen, a packing policy (lpt, sorted, fifo) or
+    `no-kv-admission` (admit whatever has blocks now and preempt when they run out, as vLLM does):
+    `bulkgen@fifo@no-kv-admission`."""
     from bulkgen.packing import POLICIES
 
     runs = []
     for item in [c.strip() for c in compare.split(",") if c.strip()]:
-        name, _, suffix = item.partition("@")
+        name, *suffixes = item.split("@")
         if name not in ENGINES:
             raise ConfigError(f"unknown engine {name!r} in --compare; known: {', '.join(ENGINES)}")
-        if suffix in ("", "float32", "bfloat16", "float16"):
-            runs.append(EngineRun(name, suffix or dtype, None, item))
-        elif suffix in POLICIES and name.startswith("bulkgen"):
-            runs.append(EngineRun(name, dtype, suffix, item))
-        else:
-            raise ConfigError(f"cannot read {item!r} in --compare: after @ give a dtype, or for bulkgen a "
-                              f"packing policy ({', '.join(POLICIES)})")
+        run_dtype, policy, kv_admission = dtype, None, None
+        for suffix in suffixes:
+            if suffix in ("float32", "bfloat16", "float16"):
+                run_dtype = suffix
+            elif suffix in POLICIES and name.startswith("bulkgen"):
+                policy = suffix
+            elif suffix == "no-kv-admission" and name.startswith("bulkgen"):
+                kv_admission = False
+            else:
+                raise ConfigError(f"cannot read {item!r} in --compare: after @ give a dtype, or for bulkgen a "
+                                  f"packing policy ({', '.join(POLICIES)}) or no-kv-admission")
+        runs.append(EngineRun(name, run_dtype, policy, item, kv_admission))
     if not any(r.label == "bulkgen" for r in runs):
         runs.insert(0, EngineRun("bulkgen", dtype, None, "bulkgen"))
     return runs
@@ -83,7 +91,8 @@ def run_bench(workload: Workload, options: BenchOptions, log: Callable[[str], No
                 continue
             spec = {"engine": name, "model": options.model_path, "workload": str(workload_path), "dtype": dtype,
                     "engine_config": {**options.engine_config, "dtype": dtype}, "policy": run.policy or options.policy,
-                    "kv_admission": options.kv_admission, "hf_batch_sizes": options.hf_batch_sizes,
+                    "kv_admission": options.kv_admission if run.kv_admission is None else run.kv_admission,
+                    "hf_batch_sizes": options.hf_batch_sizes,
                     "num_threads": options.num_threads, "vllm_num_blocks": options.vllm_num_blocks}
             spec_path, out_path = Path(tmp) / f"{label}.spec.json", Path(tmp) / f"{label}.out.json"
             spec_path.write_text(json.dumps(spec))
