@@ -202,17 +202,18 @@ def _compare(results: list[dict[str, Any]], reference_label: str | None = None) 
 
 
 def format_table(report: dict[str, Any]) -> str:
-    header = (f"{'engine':<22} {'out tok/s':>9} {'total tok/s':>11} {'wall s':>8} {'tail s':>7} {'peak mem':>9} "
+    w = max([22, *(len(r["engine"]) for r in report["results"])])  # the engine column fits every label
+    header = (f"{'engine':<{w}} {'out tok/s':>9} {'total tok/s':>11} {'wall s':>8} {'tail s':>7} {'peak mem':>9} "
               f"{'preempt':>7} {'batch':>6} {'pad':>5} {'identical':>9}  notes")
     lines = [header, "-" * len(header)]
     for r in report["results"]:
         if r.get("error"):
-            lines.append(f"{r['engine']:<22} failed: {r['error'][:80]}")
+            lines.append(f"{r['engine']:<{w}} failed: {r['error'][:80]}")
             continue
         mem = f"{r['peak_memory_bytes'] / 2**30:.2f}G" if r.get("peak_memory_bytes") else "-"
         ident = f"{100 * r['identical_share']:.1f}%" if r.get("identical_share") is not None else "-"
         lines.append(
-            f"{r['engine']:<22} {r['output_tok_per_s']:>9.1f} {r['total_tok_per_s']:>11.1f} {r['wall_s']:>8.1f} "
+            f"{r['engine']:<{w}} {r['output_tok_per_s']:>9.1f} {r['total_tok_per_s']:>11.1f} {r['wall_s']:>8.1f} "
             f"{_opt(r['tail_s'], '.1f'):>7} {mem:>9} {_opt(r['preemptions'], 'd'):>7} "
             f"{_opt(r['mean_batch_occupancy'], '.1f'):>6} {_opt(r['padding_fraction'], '.0%'):>5} {ident:>9}  "
             f"{r.get('notes') or ''}")
