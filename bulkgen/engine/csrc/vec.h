@@ -1,5 +1,5 @@
 /* 16-lane float vectors (GCC vector extensions: AVX-512 here, whatever -march=native offers elsewhere)
- * and the few helpers both kernel files use. */
+ * and the few helpers the kernel files share. */
 #ifndef BULKGEN_VEC_H
 #define BULKGEN_VEC_H
 #include <math.h>
