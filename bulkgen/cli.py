@@ -221,6 +221,10 @@ def engine_options(func: Callable) -> Callable:
         click.option("--block-size", type=int, default=32, show_default=True, help="Tokens per KV block."),
         click.option("--attention-backend", type=click.Choice(["auto", "kernel", "torch"]), default="auto",
                      show_default=True, help="kernel: bulkgen's C paged attention (CPU); torch: pure torch."),
+        click.option("--kernels", default="auto", envvar="BULKGEN_KERNELS", show_default=True, metavar="SPEC",
+                     help="CPU path of each kernel family (linear, gated_mlp, decode_attention, prefill_attention, "
+                          "small_ops): auto (the faster, measured once on this machine), c, torch, or pairs such "
+                          "as linear=torch,attention=c. Also read from BULKGEN_KERNELS."),
         click.option("--num-threads", type=int, help="CPU threads for torch (default: all cores)."),
         click.option("--prefix-caching/--no-prefix-caching", default=True, show_default=True,
                      help="Share KV blocks of common prompt prefixes."),
@@ -240,7 +244,8 @@ def build_engine_config(options: dict[str, Any]):
         gpu_memory_utilization=options.pop("gpu_memory_utilization"),
         max_num_seqs=options.pop("max_num_seqs"), max_num_batched_tokens=options.pop("max_num_batched_tokens"),
         max_model_len=options.pop("max_model_len"), block_size=options.pop("block_size"),
-        attention_backend=options.pop("attention_backend"), num_threads=options.pop("num_threads"),
+        attention_backend=options.pop("attention_backend"), kernels=options.pop("kernels"),
+        num_threads=options.pop("num_threads"),
         enable_prefix_caching=options.pop("prefix_caching"),
     )
 
@@ -264,11 +269,13 @@ def build_engine_config(options: dict[str, Any]):
 @click.option("--log-every", type=float, default=30.0, show_default=True,
               help="Seconds between progress lines when not on a terminal.")
 @click.option("--progress/--no-progress", default=True, help="Show progress on stderr.")
+@click.option("-v", "--verbose", is_flag=True,
+              help="Say more on stderr: the CPU, and which path (C or torch) each kernel family took and why.")
 @json_option
 @db_option
 def run(job_ids: tuple[int, ...], as_json: bool, db_url: str, lease_seconds: float, commit_every: int,
         commit_interval: float, max_attempts: int, drain_timeout: float, packing: str, kv_admission: bool, wait: bool,
-        log_every: float, progress: bool, **engine: Any) -> None:
+        log_every: float, progress: bool, verbose: bool, **engine: Any) -> None:
     """Run queued jobs (all, or the given ones) until the queue is empty.
 
     Results are committed as they finish: kill the worker at any moment and run it again, and it
@@ -280,12 +287,15 @@ def run(job_ids: tuple[int, ...], as_json: bool, db_url: str, lease_seconds: flo
       bulkgen run
       bulkgen run 3 --kv-cache-memory 2GiB --max-num-seqs 64
       nohup bulkgen run --wait > worker.log 2>&1 &
+      bulkgen run -v --kernels linear=torch     # the linear layers in torch; say why each path
     """
     import logging
 
     from bulkgen.worker import Worker, WorkerOptions
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    if verbose:
+        logging.getLogger("bulkgen").setLevel(logging.INFO)
     options = WorkerOptions(job_ids=job_ids, lease_s=lease_seconds, commit_rows=commit_every,
                             commit_interval_s=commit_interval, max_attempts=max_attempts,
                             drain_timeout_s=drain_timeout, packing=packing, kv_admission=kv_admission, wait=wait,
@@ -424,7 +434,7 @@ def bench(workload: Path | None, synthetic: int | None, limit: int | None, chat:
     click.echo(f"workload {d['name']}: {d['num_requests']} requests, {d['num_prompt_tokens']:,} prompt tokens "
                f"(min {d['prompt_tokens_min']}, mean {d['prompt_tokens_mean']}, max {d['prompt_tokens_max']}), "
                f"{d['num_output_tokens']:,} output tokens; model {resolved.name}; dtype {config.dtype}; "
-               f"policy {policy}")
+               f"policy {policy}; {report['machine']}")
     click.echo(format_table(report))
     if json_path:
         write_json(report, json_path)

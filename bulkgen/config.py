@@ -18,6 +18,10 @@ from bulkgen.errors import ConfigError
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "kernel", "torch")
+# CPU kernel families, each run in bulkgen's C kernels or in plain torch (engine/cpu_paths.py decides).
+KERNEL_FAMILIES = ("linear", "gated_mlp", "decode_attention", "prefill_attention", "small_ops")
+KERNEL_FAMILY_GROUPS = {"attention": ("decode_attention", "prefill_attention"), "all": KERNEL_FAMILIES}
+KERNEL_PATHS = ("c", "torch")
 
 
 @dataclass(frozen=True)
@@ -99,6 +103,7 @@ class EngineConfig:
     max_model_len: int | None = None  # defaults to the model's context length
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # kernel: our C paged attention (CPU); torch: pure torch
+    kernels: str = "auto"  # CPU path per kernel family: auto (measured), c, torch, or "family=path,..."
     num_threads: int | None = None  # torch intra-op threads on CPU
     pack_weights: bool = True  # CPU: pack linear weights once for our C GEMM (float32, bfloat16) or oneDNN
     fast_forward: bool = True  # Llama family: our lean forward (False: always Hugging Face's modules)
@@ -123,6 +128,36 @@ class EngineConfig:
                f"attention backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
         _check(self.num_threads is None or (isinstance(self.num_threads, int) and self.num_threads >= 1),
                f"num-threads must be >= 1, got {self.num_threads!r}")
+        parse_kernels(self.kernels)
+
+
+def parse_kernels(spec: str) -> dict[str, str]:
+    """A --kernels / BULKGEN_KERNELS value -> {family: "c" | "torch"} for the families it forces.
+
+    "auto" forces none (each is measured); "c" or "torch" forces all; "linear=torch,attention=c" forces
+    those named ("attention" is both attention families, "all" every family)."""
+    if not isinstance(spec, str):
+        raise ConfigError(f"kernels must be a string such as auto, c, torch or linear=torch, got {spec!r}")
+    text = spec.strip().lower()
+    if text in ("", "auto"):
+        return {}
+    if text in KERNEL_PATHS:
+        return dict.fromkeys(KERNEL_FAMILIES, text)
+    forced: dict[str, str] = {}
+    for item in text.split(","):
+        name, eq, path = (part.strip() for part in item.partition("="))
+        families = KERNEL_FAMILY_GROUPS.get(name, (name,) if name in KERNEL_FAMILIES else None)
+        if not eq or families is None or path not in (*KERNEL_PATHS, "auto"):
+            raise ConfigError(
+                f"cannot read {item.strip()!r} in kernels {spec!r}: write auto, c, torch, or FAMILY=PATH pairs "
+                f"separated by commas, FAMILY one of {', '.join((*KERNEL_FAMILIES, *KERNEL_FAMILY_GROUPS))} and "
+                "PATH c, torch or auto (e.g. linear=torch,attention=c)")
+        for family in families:
+            if path == "auto":
+                forced.pop(family, None)
+            else:
+                forced[family] = path
+    return forced
 
 
 @dataclass(frozen=True)

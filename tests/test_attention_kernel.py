@@ -1,4 +1,5 @@
-"""The C decode kernel against the pure-torch reference: float32 and bfloat16, every head-dim path."""
+"""The C attention kernels against the pure-torch reference: float32 and bfloat16, every head-dim path,
+every build (native, without AVX512-BF16, without AVX-512, x86-64 baseline)."""
 
 from __future__ import annotations
 
@@ -8,26 +9,21 @@ import torch
 from bulkgen.engine.attention import (
     AttentionMetadata,
     PrefillChunk,
-    _decode_kernel,
     attend,
+    decode_c,
     decode_torch,
     gather_k,
     k_block_shape,
     write_kv,
 )
-from bulkgen.engine.kernels import load_cpu_kernels
+from tests.builds import HAS_AVX512_BF16, builds, kernel
 
 
-def _kernel(*extra_flags: str):
-    kernel = load_cpu_kernels(extra_flags)
-    assert kernel is not None, "the kernel builds wherever gcc is present (CI has it)"
-    return kernel
-
-
+@builds
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim,block_size", [(16, 8), (64, 8), (64, 16), (64, 32), (128, 16), (96, 16)])
-@pytest.mark.parametrize("group", [1, 3])
-def test_kernel_matches_torch(dtype: torch.dtype, head_dim: int, block_size: int, group: int) -> None:
+@pytest.mark.parametrize("group", [1, 3, 8])
+def test_kernel_matches_torch(build: str, dtype: torch.dtype, head_dim: int, block_size: int, group: int) -> None:
     """Vectorised paths (head_dim 64/128, blocks a multiple of 16) and the plain loop (the rest)."""
     torch.manual_seed(head_dim + group + block_size)
     num_blocks, kv_heads, seqs = 64, 2, 5
@@ -36,15 +32,16 @@ def test_kernel_matches_torch(dtype: torch.dtype, head_dim: int, block_size: int
     tables = torch.randperm(num_blocks)[:seqs * 6].view(seqs, 6).int()
     lens = torch.tensor([1, 7, block_size, 2 * block_size + 1, 6 * block_size], dtype=torch.int32)
     q = torch.randn(seqs, kv_heads * group, head_dim).to(dtype)
-    meta = AttentionMetadata([k], [v], None, None, None, seqs, tables, lens, int(lens.max()), [], _kernel(), 2)
-    got = _decode_kernel(meta, q, k, v, head_dim**-0.5).float()
+    meta = AttentionMetadata([k], [v], None, None, None, seqs, tables, lens, int(lens.max()),
+                             decode_kernel=kernel(build), num_threads=2)
+    got = decode_c(meta, q, k, v, head_dim**-0.5).float()
     want = decode_torch(q.float(), k.float(), v.float(), tables, lens, head_dim**-0.5)
     assert torch.allclose(got, want, atol=2e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
 def test_portable_bfloat16_path_matches_torch() -> None:
     """Without AVX512-BF16 the bfloat16 scores split each K pair into two float32 vectors instead."""
-    if "avx512_bf16" not in open("/proc/cpuinfo").read():
+    if not HAS_AVX512_BF16:
         pytest.skip("the default build already takes the portable path on this CPU")
     torch.manual_seed(1)
     num_blocks, kv_heads, block_size, seqs = 32, 2, 32, 4
@@ -54,15 +51,16 @@ def test_portable_bfloat16_path_matches_torch() -> None:
         tables = torch.randperm(num_blocks)[:seqs * 5].view(seqs, 5).int()
         lens = torch.tensor([1, 33, 100, 160], dtype=torch.int32)
         q = torch.randn(seqs, kv_heads * 3, head_dim).bfloat16()
-        meta = AttentionMetadata([k], [v], None, None, None, seqs, tables, lens, 160, [],
-                                 _kernel("-mno-avx512bf16"), 2)
-        got = _decode_kernel(meta, q, k, v, head_dim**-0.5).float()
+        meta = AttentionMetadata([k], [v], None, None, None, seqs, tables, lens, 160,
+                                 decode_kernel=kernel("no-avx512bf16"), num_threads=2)
+        got = decode_c(meta, q, k, v, head_dim**-0.5).float()
         want = decode_torch(q.float(), k.float(), v.float(), tables, lens, head_dim**-0.5)
         assert torch.allclose(got, want, atol=2e-2)
 
 
+@builds
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_write_matches_torch(dtype: torch.dtype) -> None:
+def test_kernel_write_matches_torch(build: str, dtype: torch.dtype) -> None:
     """The C write of new K/V (K transposed) puts every value where torch's indexing does."""
     num_blocks, kv_heads, block_size, head_dim, tokens = 8, 3, 16, 64, 21
     slots = torch.randperm(num_blocks * block_size)[:tokens]
@@ -70,10 +68,11 @@ def test_kernel_write_matches_torch(dtype: torch.dtype) -> None:
     key = torch.randn(kv_heads, tokens, head_dim).to(dtype).transpose(0, 1)
     value = torch.randn(tokens, kv_heads, head_dim).to(dtype)
     caches = []
-    for kernel in (_kernel(), None):
+    for library in (kernel(build), None):
         k = torch.zeros(num_blocks, *k_block_shape(kv_heads, head_dim, block_size, dtype), dtype=dtype)
         v = torch.zeros(num_blocks, kv_heads, block_size, head_dim, dtype=dtype)
-        meta = AttentionMetadata([k], [v], slots, slots // block_size, slots % block_size, 0, None, None, 0, [], kernel)
+        meta = AttentionMetadata([k], [v], slots, slots // block_size, slots % block_size, 0, None, None, 0,
+                                 write_kernel=library)
         write_kv(meta, key, value, k, v)
         caches.append((k, v))
     (k_c, v_c), (k_t, v_t) = caches
@@ -83,11 +82,12 @@ def test_kernel_write_matches_torch(dtype: torch.dtype) -> None:
         assert torch.equal(k_t[slots[0] // block_size, 0, 1, slots[0] % block_size], key[0, 0, 2:4])
 
 
+@builds
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim,block_size", [(64, 32), (128, 16), (96, 16)])
 @pytest.mark.parametrize("start,num_tokens", [(0, 1), (0, 45), (32, 20), (7, 62), (100, 3)])
-def test_prefill_through_kernel_matches_torch(dtype: torch.dtype, head_dim: int, block_size: int, start: int,
-                                              num_tokens: int) -> None:
+def test_prefill_through_kernel_matches_torch(build: str, dtype: torch.dtype, head_dim: int, block_size: int,
+                                              start: int, num_tokens: int) -> None:
     """Prefill chunks through the C kernel (rows in tiles of 4 where vectorised, else row by row; causal
     by context length) agree with torch's attention over the same paged cache: fresh prompts, chunks
     after cached tokens (chunked prefill, prefix hits) longer and shorter than what is cached, row
@@ -102,7 +102,7 @@ def test_prefill_through_kernel_matches_torch(dtype: torch.dtype, head_dim: int,
     values = torch.randn(total, kv_heads, head_dim).to(dtype)
     query = torch.randn(num_tokens, kv_heads * group, head_dim).to(dtype)
     outs = []
-    for kernel in (_kernel(), None):
+    for library in (kernel(build), None):
         k = torch.zeros(num_blocks, *k_block_shape(kv_heads, head_dim, block_size, dtype), dtype=dtype)
         v = torch.zeros(num_blocks, kv_heads, block_size, head_dim, dtype=dtype)
         cached = slots_all[:start]
@@ -114,11 +114,11 @@ def test_prefill_through_kernel_matches_torch(dtype: torch.dtype, head_dim: int,
             chunk.context_blocks, chunk.context_offsets = slots_all // block_size, slots_all % block_size
             if start > num_tokens:
                 chunk.mask = positions[start:, None] >= positions[None, :]
-        if kernel is not None:
+        if library is not None:
             chunk.block_table = table
         new = slots_all[start:]
         meta = AttentionMetadata([k], [v], new, new // block_size, new % block_size, 0, None, None, 0, [chunk],
-                                 kernel, 2)
+                                 prefill_kernel=library, write_kernel=library, num_threads=2)
         outs.append(attend(meta, 0, query, keys[start:], values[start:], head_dim**-0.5).float())
     tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
     assert torch.allclose(outs[0], outs[1], atol=tolerance), (outs[0] - outs[1]).abs().max()

@@ -1,5 +1,6 @@
-"""The C versions of RMSNorm (+ residual add), SiLU-and-multiply, RoPE, argmax and the float32 linear
-layer against the torch code of Hugging Face's modules they replace."""
+"""The C versions of RMSNorm (+ residual add), SiLU-and-multiply, RoPE, argmax and the linear layers
+against the torch code of Hugging Face's modules they replace, in every build (native, without
+AVX512-BF16, without AVX-512, x86-64 baseline)."""
 
 from __future__ import annotations
 
@@ -7,42 +8,44 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bulkgen.engine.forward import GatedLinear, Linear, Ops, fused, rms_norm_torch, rotate
-from bulkgen.engine.kernels import load_cpu_kernels
+from bulkgen.engine.forward import GatedLinear, Linear, Ops, fused, onednn_takes, rms_norm_torch, rotate
+from tests.builds import HAS_AVX512_BF16, builds, kernel
 
 TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=1 / 64, atol=1e-2)}
 
 
-def _ops(dtype: torch.dtype) -> Ops:
-    kernel = load_cpu_kernels()
-    assert kernel is not None, "the kernels build wherever gcc is present (CI has it)"
-    return Ops(kernel, dtype)
+def _ops(dtype: torch.dtype, build: str = "native") -> Ops:
+    return Ops(kernel(build), dtype)
 
 
+@builds
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_rms_norm(dtype: torch.dtype, with_residual: bool) -> None:
+def test_rms_norm(build: str, dtype: torch.dtype, with_residual: bool) -> None:
     torch.manual_seed(0)
     x = (torch.randn(37, 576) * 3).to(dtype)
     residual = torch.randn(37, 576).to(dtype) if with_residual else None
     weight = torch.rand(576).to(dtype) + 0.5
     want_x = x + residual if with_residual else x.clone()
     want = rms_norm_torch(want_x, weight, 1e-5)
-    got = _ops(dtype).add_rms_norm(x, residual, weight, 1e-5)
+    got = _ops(dtype, build).add_rms_norm(x, residual, weight, 1e-5)
     assert torch.equal(x, want_x), "the residual is added in place, rounded as torch's add"
     torch.testing.assert_close(got, want, **TOLERANCE[dtype])
 
 
+@builds
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_silu_mul(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("cols", [1536, 37])
+def test_silu_mul(build: str, dtype: torch.dtype, cols: int) -> None:
     torch.manual_seed(1)
-    gate_up = (torch.randn(19, 2 * 1536) * 4).to(dtype)
+    gate_up = (torch.randn(19, 2 * cols) * 4).to(dtype)
     gate, up = gate_up.chunk(2, dim=-1)
-    torch.testing.assert_close(_ops(dtype).silu_mul(gate_up), F.silu(gate) * up, **TOLERANCE[dtype])
+    torch.testing.assert_close(_ops(dtype, build).silu_mul(gate_up), F.silu(gate) * up, **TOLERANCE[dtype])
 
 
+@builds
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rope_in_place_equals_hugging_face(dtype: torch.dtype) -> None:
+def test_rope_in_place_equals_hugging_face(build: str, dtype: torch.dtype) -> None:
     torch.manual_seed(2)
     tokens, heads, kv_heads, head_dim = 11, 9, 3, 64
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim).to(dtype)
@@ -52,14 +55,15 @@ def test_rope_in_place_equals_hugging_face(dtype: torch.dtype) -> None:
     q = qkv[:, :heads * head_dim].reshape(tokens, heads, head_dim)
     k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].reshape(tokens, kv_heads, head_dim)
     want_q, want_k, want_v = rotate(q, cos, sin), rotate(k, cos, sin), qkv[:, (heads + kv_heads) * head_dim:].clone()
-    assert _ops(dtype).rope(qkv, heads + kv_heads, head_dim, cos, sin) is qkv
+    assert _ops(dtype, build).rope(qkv, heads + kv_heads, head_dim, cos, sin) is qkv
     assert torch.equal(qkv[:, :heads * head_dim].view(tokens, heads, head_dim), want_q)
     assert torch.equal(qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim), want_k)
     assert torch.equal(qkv[:, (heads + kv_heads) * head_dim:], want_v), "v is left alone"
 
 
-def test_argmax_first_on_ties_and_nan_wins() -> None:
-    ops = _ops(torch.float32)
+@builds
+def test_argmax_first_on_ties_and_nan_wins(build: str) -> None:
+    ops = _ops(torch.float32, build)
     torch.manual_seed(3)
     logits = torch.randn(6, 49152)
     logits[1, 7] = logits[1, 9000] = 50.0  # a tie: the first index, as torch
@@ -72,34 +76,34 @@ def test_argmax_first_on_ties_and_nan_wins() -> None:
     assert torch.equal(ops.argmax(logits[:, :1000]), logits[:, :1000].argmax(dim=-1)), "strided rows"
 
 
-@pytest.mark.parametrize("rows", [1, 3, 10, 11, 18, 37, 130])
+@builds
+@pytest.mark.parametrize("rows", [1, 3, 6, 7, 10, 11, 18, 37, 130])
 @pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (100, 64), (5, 3), (49, 1537)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_linear_float32_kernel(rows: int, out_features: int, in_features: int, with_bias: bool) -> None:
-    """Every row-group split (tiles of 1..10 rows), partial last panels (N not a multiple of 48), odd K."""
+def test_linear_float32_kernel(build: str, rows: int, out_features: int, in_features: int, with_bias: bool) -> None:
+    """Every row-group split (tiles of 1..10 rows with AVX-512, 1..6 otherwise), partial last panels (N not a
+    multiple of the panel width: 48, 16 or 8 columns), odd K."""
     torch.manual_seed(rows * 7 + out_features)
     weight = torch.randn(out_features, in_features) / in_features ** 0.5
     bias = torch.randn(out_features) if with_bias else None
-    linear = Linear(weight, bias, pack=True, kernel=load_cpu_kernels())
+    linear = Linear(weight, bias, pack=True, kernel=kernel(build))
     assert linear.kernel is not None, "float32 on CPU runs through the C kernel"
     x = torch.randn(rows, in_features)
     torch.testing.assert_close(linear(x), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(linear(x.t().contiguous().t()), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
 
 
-def test_linear_float32_kernel_is_batch_invariant() -> None:
+@builds
+def test_linear_float32_kernel_is_batch_invariant(build: str) -> None:
     """Each output is one summation chain over the inputs, whatever the number of rows: a request's
     logits are the same bits whichever other requests share its step."""
     torch.manual_seed(5)
     weight = torch.randn(300, 576) / 24
-    linear = Linear(weight, None, pack=True, kernel=load_cpu_kernels())
+    linear = Linear(weight, None, pack=True, kernel=kernel(build))
     x = torch.randn(33, 576)
     alone = torch.cat([linear(x[i:i + 1]) for i in range(33)])
     assert torch.equal(linear(x), alone)
     assert torch.equal(linear(x[:18]), alone[:18])
-
-
-HAS_AVX512_BF16 = "avx512_bf16" in open("/proc/cpuinfo").read()
 
 
 @pytest.mark.skipif(not HAS_AVX512_BF16, reason="the bfloat16 linear kernel needs AVX512-BF16 (oneDNN runs it otherwise)")
@@ -112,7 +116,7 @@ def test_linear_bfloat16_kernel(rows: int, out_features: int, in_features: int, 
     torch.manual_seed(rows + out_features)
     weight = (torch.randn(out_features, in_features) / in_features ** 0.5).bfloat16()
     bias = torch.randn(out_features).bfloat16() if with_bias else None
-    linear = Linear(weight, bias, pack=True, kernel=load_cpu_kernels())
+    linear = Linear(weight, bias, pack=True, kernel=kernel())
     assert linear.kernel is not None, "bfloat16 on a CPU with AVX512-BF16 runs through the C kernel"
     x = torch.randn(rows, in_features).bfloat16()
     got = linear(x)
@@ -122,29 +126,32 @@ def test_linear_bfloat16_kernel(rows: int, out_features: int, in_features: int, 
     torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=1 / 64, atol=1e-2)
 
 
-def test_linear_bfloat16_without_avx512_bf16_runs_through_onednn() -> None:
-    """Built without AVX512-BF16 the kernel declines bfloat16 (and odd K), and oneDNN takes it."""
+def test_linear_bfloat16_without_avx512_bf16_runs_through_torch() -> None:
+    """Built without AVX512-BF16 the kernel declines bfloat16 (and odd K), and torch takes it: oneDNN where
+    it runs bfloat16 on this CPU, else torch's plain linear (oneDNN's weight reorder raises there)."""
     weight = torch.randn(96, 64).bfloat16()
     x = torch.randn(5, 64).bfloat16()
-    portable = Linear(weight, None, pack=True, kernel=load_cpu_kernels(("-mno-avx512bf16",)))
-    odd = Linear(torch.randn(96, 63).bfloat16(), None, pack=True, kernel=load_cpu_kernels())
+    portable = Linear(weight, None, pack=True, kernel=kernel("no-avx512bf16"))
+    odd = Linear(torch.randn(96, 63).bfloat16(), None, pack=True, kernel=kernel())
     for linear in (portable, odd):
-        assert linear.kernel is None and linear.packed == torch.backends.mkldnn.is_available()
+        assert linear.kernel is None and linear.packed == onednn_takes(torch.bfloat16)
     torch.testing.assert_close(portable(x), F.linear(x, weight), rtol=1 / 64, atol=1e-2)
 
 
+@builds
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("intermediate", "hidden"), [(1536, 576), (100, 64)])
-def test_gated_linear_is_the_fused_linear_then_silu_mul(dtype: torch.dtype, intermediate: int, hidden: int) -> None:
+def test_gated_linear_is_the_fused_linear_then_silu_mul(build: str, dtype: torch.dtype, intermediate: int,
+                                                        hidden: int) -> None:
     """The MLP input in one pass (SiLU-and-multiply as the GEMM's epilogue) gives the same bits as the
     fused gate|up linear layer followed by silu_mul, for every row-group split and a partial last panel."""
-    if dtype == torch.bfloat16 and not HAS_AVX512_BF16:
-        pytest.skip("the bfloat16 linear kernel needs AVX512-BF16")
+    if dtype == torch.bfloat16 and not (HAS_AVX512_BF16 and build == "native"):
+        pytest.skip("the bfloat16 linear kernel needs an AVX512-BF16 CPU and build (declining is tested above)")
     torch.manual_seed(intermediate)
     gate, up = (torch.nn.Linear(hidden, intermediate, bias=False).to(dtype) for _ in range(2))
-    ops = _ops(dtype)
-    one_pass = GatedLinear(gate, up, pack=True, kernel=load_cpu_kernels(), ops=ops)
-    two_steps = fused(gate, up, pack=True, kernel=load_cpu_kernels())
+    ops = _ops(dtype, build)
+    one_pass = GatedLinear(gate, up, pack=True, kernel=kernel(build), ops=ops)
+    two_steps = fused(gate, up, pack=True, kernel=kernel(build))
     assert one_pass.linear is None, "the C kernel takes it"
     for rows in (1, 7, 10, 11, 37, 300):
         x = torch.randn(rows, hidden).to(dtype)
@@ -159,7 +166,7 @@ def test_gated_linear_without_the_kernel_is_torch() -> None:
     torch.manual_seed(9)
     gate, up = torch.nn.Linear(64, 96), torch.nn.Linear(64, 96)  # biases: the kernel path declines them
     x = torch.randn(5, 64)
-    for kernel in (None, load_cpu_kernels()):
-        layer = GatedLinear(gate, up, pack=True, kernel=kernel, ops=Ops(kernel, torch.float32))
+    for library in (None, kernel()):
+        layer = GatedLinear(gate, up, pack=True, kernel=library, ops=Ops(library, torch.float32))
         assert layer.linear is not None
         torch.testing.assert_close(layer(x), F.silu(gate(x)) * up(x), rtol=1e-5, atol=1e-6)

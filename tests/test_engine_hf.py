@@ -13,7 +13,10 @@ import pytest
 import torch
 
 from bulkgen.config import EngineConfig, SamplingParams
+from bulkgen.engine.cpu import ALLOW_SLOW_DTYPE_ENV
 from bulkgen.engine.engine import Engine
+from bulkgen.engine.kernels import CFLAGS_ENV
+from tests.builds import HAS_AVX512_BF16
 
 NUM_PROMPTS = 44
 KV_BYTES_PER_TOKEN = {"llama": 2 * 2 * 2 * 16 * 4, "llama64": 2 * 2 * 2 * 64 * 4, "qwen2": 2 * 2 * 2 * 16 * 4}
@@ -56,23 +59,30 @@ SETTINGS = {
 }
 
 
-# Our lean Llama-family forward with the C kernels, the same with pure-torch ops and attention, and
-# Hugging Face's own modules with our attention plugged in.
-PATHS = {"lean-kernel": ("kernel", True), "lean-torch": ("torch", True), "hf-modules": ("kernel", False)}
+# Our lean Llama-family forward with every kernel family in C (as built for this CPU, and as built for
+# AVX2: the code an AVX2 machine runs), the same in pure torch, and Hugging Face's own modules with our
+# attention plugged in.
+PATHS = {"lean-c": ("c", True, ""), "lean-c-avx2-build": ("c", True, "-mno-avx512f"),
+         "lean-torch": ("torch", True, ""), "hf-modules": ("c", False, "")}
 
 
 @pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("setting", list(SETTINGS))
 @pytest.mark.parametrize("family", ["llama", "llama64", "qwen2"])
-def test_greedy_equals_hf_generate(models, family: str, setting: str, path: str) -> None:
+def test_greedy_equals_hf_generate(models, family: str, setting: str, path: str,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
     model_dir, expected = models[family]
     s = SETTINGS[setting]
-    backend, lean = PATHS[path]
+    kernels, lean, cflags = PATHS[path]
+    monkeypatch.setenv(CFLAGS_ENV, cflags)
     config = EngineConfig(kv_cache_memory=s["kv_tokens"] * KV_BYTES_PER_TOKEN[family],
-                          max_num_batched_tokens=s["max_num_batched_tokens"], attention_backend=backend,
+                          max_num_batched_tokens=s["max_num_batched_tokens"], kernels=kernels,
                           max_num_seqs=64, block_size=s["block_size"], fast_forward=lean)
     engine = Engine(model_dir, config)
     assert (engine.runner.forward is not None) == lean
+    c_families = {name for name, p in engine.runner.paths.families.items() if p.use_c}
+    assert c_families == ({"decode_attention", "prefill_attention", "small_ops"} | ({"linear", "gated_mlp"} if lean
+                          else set()) if kernels == "c" else set()), engine.runner.paths.lines()
     # Shortest first under a tight cache: many sequences are admitted together, then all grow.
     order = sorted(range(len(WORKLOAD)), key=lambda i: len(WORKLOAD[i][0])) if setting == "tight-kv" \
         else range(len(WORKLOAD))
@@ -119,16 +129,19 @@ def test_default_model_matches_hf_generate(default_model_dir: Path) -> None:
     assert "Paris" in outputs[0].text
 
 
-def test_bfloat16_kernels_agree_with_torch(tiny_llama64_dir: Path) -> None:
-    """bfloat16 through the C kernels (K in dim pairs, vdpbf16ps, prefill in row tiles after cached
-    chunks, paired P·V) against the same engine on pure-torch ops and attention. Both round differently,
-    so greedy paths may part after a near-tie (a random tiny model has many); a wrong layout or mask
-    would make them part at once."""
+def test_bfloat16_kernels_agree_with_torch(tiny_llama64_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bfloat16 through the C kernels (K in dim pairs, vdpbf16ps where the CPU has it, prefill in row tiles
+    after cached chunks, paired P·V) against the same engine on pure-torch ops and attention. Both round
+    differently, so greedy paths may part after a near-tie (a random tiny model has many); a wrong layout
+    or mask would make them part at once. On a CPU without native bfloat16 (where bulkgen refuses the dtype
+    unless told otherwise) the C linear layers decline it and torch emulates it: slow, but a tiny model."""
+    monkeypatch.setenv(ALLOW_SLOW_DTYPE_ENV, "1")
     s = SETTINGS["chunked"]
     outputs = []
-    for backend in ("kernel", "torch"):
+    c_kernels = "c" if HAS_AVX512_BF16 else "attention=c,small_ops=c"
+    for kernels in (c_kernels, "torch"):
         config = EngineConfig(kv_cache_memory=s["kv_tokens"] * KV_BYTES_PER_TOKEN["llama64"] // 2,
-                              max_num_batched_tokens=s["max_num_batched_tokens"], attention_backend=backend,
+                              max_num_batched_tokens=s["max_num_batched_tokens"], kernels=kernels,
                               max_num_seqs=64, block_size=16, dtype="bfloat16")
         engine = Engine(tiny_llama64_dir, config)
         for i, (prompt, max_new) in enumerate(WORKLOAD):

@@ -55,7 +55,8 @@ def run_bulkgen(spec: dict[str, Any], workload: Workload) -> dict[str, Any]:
         "kv_cache_tokens": engine.runner.max_num_tokens,
         "steps": [[round(s.time - steps[0].time, 4), s.num_batched_tokens, s.num_decode_tokens, s.num_seqs,
                    round(s.kv_usage, 4)] for s in steps],
-        "attention": "kernel" if engine.runner.kernel is not None else "torch",
+        "notes": engine.runner.paths.short(),
+        "cpu_paths": {name: path.use_c for name, path in engine.runner.paths.families.items()},
     }
 
 

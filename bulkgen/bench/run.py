@@ -32,6 +32,7 @@ class EngineRun:
     policy: str | None = None  # bulkgen's packing policy, when it differs from the run's
     label: str = ""  # as the user wrote it: bulkgen, vllm@bfloat16, bulkgen@fifo
     kv_admission: bool | None = None  # bulkgen's KV admission, when it differs from the run's
+    kernels: str | None = None  # bulkgen's CPU kernel paths (c, torch), when they differ from the run's
 
 
 @dataclass
@@ -53,7 +54,8 @@ def parse_engines(compare: str, dtype: str) -> list[EngineRun]:
     """'hf-static-sorted,vllm@bfloat16,bulkgen@fifo' → bulkgen first, then each peer. Each suffix after
     an @ is a dtype (float32, bfloat16, float16) or, for bulkgen, a packing policy (lpt, sorted, fifo) or
     `no-kv-admission` (admit whatever has blocks now and preempt when they run out, as vLLM does):
-    `bulkgen@fifo@no-kv-admission`."""
+    `bulkgen@fifo@no-kv-admission`, or its CPU kernel paths, `c` or `torch` (every family forced, as
+    --kernels does): `bulkgen@torch` is the plain-torch floor the C kernels must beat."""
     from bulkgen.packing import POLICIES
 
     runs = []
@@ -61,7 +63,7 @@ def parse_engines(compare: str, dtype: str) -> list[EngineRun]:
         name, *suffixes = item.split("@")
         if name not in ENGINES:
             raise ConfigError(f"unknown engine {name!r} in --compare; known: {', '.join(ENGINES)}")
-        run_dtype, policy, kv_admission = dtype, None, None
+        run_dtype, policy, kv_admission, kernels = dtype, None, None, None
         for suffix in suffixes:
             if suffix in ("float32", "bfloat16", "float16"):
                 run_dtype = suffix
@@ -69,10 +71,13 @@ def parse_engines(compare: str, dtype: str) -> list[EngineRun]:
                 policy = suffix
             elif suffix == "no-kv-admission" and name.startswith("bulkgen"):
                 kv_admission = False
+            elif suffix in ("c", "torch") and name.startswith("bulkgen"):
+                kernels = suffix
             else:
                 raise ConfigError(f"cannot read {item!r} in --compare: after @ give a dtype, or for bulkgen a "
-                                  f"packing policy ({', '.join(POLICIES)}) or no-kv-admission")
-        runs.append(EngineRun(name, run_dtype, policy, item, kv_admission))
+                                  f"packing policy ({', '.join(POLICIES)}), no-kv-admission, or c / torch (its "
+                                  "CPU kernel paths)")
+        runs.append(EngineRun(name, run_dtype, policy, item, kv_admission, kernels))
     if not any(r.label == "bulkgen" for r in runs):
         runs.insert(0, EngineRun("bulkgen", dtype, None, "bulkgen"))
     return runs
@@ -90,7 +95,9 @@ def run_bench(workload: Workload, options: BenchOptions, log: Callable[[str], No
                 log(f"bench: skipping {label}: {env['why']}")
                 continue
             spec = {"engine": name, "model": options.model_path, "workload": str(workload_path), "dtype": dtype,
-                    "engine_config": {**options.engine_config, "dtype": dtype}, "policy": run.policy or options.policy,
+                    "engine_config": {**options.engine_config, "dtype": dtype,
+                                      **({"kernels": run.kernels} if run.kernels else {})},
+                    "policy": run.policy or options.policy,
                     "kv_admission": options.kv_admission if run.kv_admission is None else run.kv_admission,
                     "hf_batch_sizes": options.hf_batch_sizes,
                     "num_threads": options.num_threads, "vllm_num_blocks": options.vllm_num_blocks}
@@ -108,7 +115,14 @@ def run_bench(workload: Workload, options: BenchOptions, log: Callable[[str], No
             log(f"bench: {label}: {results[-1]['output_tok_per_s']:.1f} output tok/s")
     _compare(results, options.reference)
     return {"workload": workload.describe(), "model": options.model_path, "policy": options.policy,
-            "engine_config": options.engine_config, "results": results}
+            "engine_config": options.engine_config, "machine": _machine(), "results": results}
+
+
+def _machine() -> str:
+    """'CPU AVX2 + FMA, 2 cores': the kind of CPU the figures were measured on (they differ by kind)."""
+    from bulkgen.engine.cpu import describe_cpu
+
+    return f"CPU {describe_cpu()}, {psutil.cpu_count()} cores"
 
 
 def _command(name: str, options: BenchOptions) -> tuple[list[str] | None, dict[str, str]]:

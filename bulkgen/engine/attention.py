@@ -62,7 +62,11 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor  # [num_decodes] int32, tokens to attend to (the new one included)
     decode_max_context_len: int
     prefills: list[PrefillChunk] = field(default_factory=list)
-    kernel: ctypes.CDLL | None = None
+    # The C kernels for decode attention, prefill attention and the KV write (None: torch); each family's
+    # path is chosen per machine (cpu_paths.py)
+    decode_kernel: ctypes.CDLL | None = None
+    prefill_kernel: ctypes.CDLL | None = None
+    write_kernel: ctypes.CDLL | None = None
     num_threads: int = 1
 
 
@@ -90,18 +94,18 @@ def attend(meta: AttentionMetadata, layer: int, query: torch.Tensor, key: torch.
     num_decodes = meta.num_decode_tokens
     if num_decodes:
         q = query[:num_decodes]  # [num_decodes, num_heads, head_dim]
-        if meta.kernel is not None and kernel_layout(k_cache):
-            out[:num_decodes] = _decode_kernel(meta, q, k_cache, v_cache, scale)
+        if meta.decode_kernel is not None and kernel_layout(k_cache):
+            out[:num_decodes] = decode_c(meta, q, k_cache, v_cache, scale)
         else:
             out[:num_decodes] = decode_torch(q, k_cache, v_cache, meta.decode_block_tables,
                                              meta.decode_context_lens, scale)
     for chunk in meta.prefills:
         span = slice(chunk.offset, chunk.offset + chunk.num_tokens)
-        if meta.kernel is not None and chunk.block_table is not None and kernel_layout(k_cache):
+        if meta.prefill_kernel is not None and chunk.block_table is not None and kernel_layout(k_cache):
             # The query rows as decodes over the sequence's blocks (its K/V were just written), causal by
-            # context length, in tiles of 4 rows: 1.7x faster than torch's flash kernel here in float32
-            # and in bfloat16 (where the K pass takes vdpbf16ps; torch's kernel computes in float32).
-            out[span] = _prefill_kernel(meta, query[span], k_cache, v_cache, chunk, scale)
+            # context length, in tiles of 4 rows (1.4-1.8x torch's flash kernel in float32 on AVX-512 CPUs;
+            # whether it runs on this one is measured, cpu_paths.py).
+            out[span] = prefill_c(meta, query[span], k_cache, v_cache, chunk, scale)
             continue
         q = query[span].transpose(0, 1).unsqueeze(0)  # [1, num_heads, n, head_dim]: 4-D takes torch's fused kernel
         if chunk.context_blocks is None:
@@ -128,9 +132,10 @@ def attend(meta: AttentionMetadata, layer: int, query: torch.Tensor, key: torch.
 def write_kv(meta: AttentionMetadata, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
              v_cache: torch.Tensor) -> None:
     """Store the step's new keys and values ([num_tokens, num_kv_heads, head_dim] each) in their slots."""
-    if meta.kernel is not None and kernel_layout(k_cache) and key.stride(-1) == 1 and value.stride(-1) == 1:
+    kernel = meta.write_kernel
+    if kernel is not None and kernel_layout(k_cache) and key.stride(-1) == 1 and value.stride(-1) == 1:
         num_tokens, num_kv_heads, head_dim = key.shape
-        function = meta.kernel.write_kv_4 if key.element_size() == 4 else meta.kernel.write_kv_2
+        function = kernel.write_kv_4 if key.element_size() == 4 else kernel.write_kv_2
         function(key.data_ptr(), value.data_ptr(), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
                  meta.slots.data_ptr(), num_tokens, k_cache.data_ptr(), v_cache.data_ptr(), num_kv_heads, head_dim,
                  v_cache.shape[2], meta.num_threads)
@@ -159,14 +164,15 @@ def kernel_layout(k_cache: torch.Tensor) -> bool:
     return k_cache.shape[-1] * k_cache.element_size() == 4
 
 
-def _decode_kernel(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   scale: float) -> torch.Tensor:
+def decode_c(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             scale: float) -> torch.Tensor:
+    """Decode attention of the step's decoding sequences (q [num_decodes, num_heads, head_dim]) in C."""
     tables = meta.decode_block_tables
-    return _paged_kernel(meta, q, k_cache, v_cache, tables, tables.stride(0), meta.decode_context_lens,
-                         meta.decode_max_context_len, scale)
+    return _paged_c(meta.decode_kernel, meta, q, k_cache, v_cache, tables, tables.stride(0),
+                    meta.decode_context_lens, meta.decode_max_context_len, scale)
 
 
-def _prefill_kernel(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+def prefill_c(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     chunk: PrefillChunk, scale: float) -> torch.Tensor:
     """A prefill chunk's attention in C: rows in tiles sharing each K/V block load where the vectorised
     kernel applies, else row by row (each row a decode with its own context length)."""
@@ -174,7 +180,8 @@ def _prefill_kernel(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Ten
     out = torch.empty_like(q32)
     num_rows, num_heads, head_dim = q32.shape
     _, num_kv_heads, block_size, _ = v_cache.shape
-    function = meta.kernel.paged_prefill_f32 if k_cache.dtype == torch.float32 else meta.kernel.paged_prefill_bf16
+    kernel = meta.prefill_kernel
+    function = kernel.paged_prefill_f32 if k_cache.dtype == torch.float32 else kernel.paged_prefill_bf16
     status = function(q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), chunk.block_table.data_ptr(),
                       chunk.start, num_rows, out.data_ptr(), num_heads, num_kv_heads, head_dim, block_size, scale,
                       meta.num_threads)
@@ -182,20 +189,21 @@ def _prefill_kernel(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Ten
         raise MemoryError("paged attention kernel could not allocate its scratch buffer")
     if status == 2:
         lens = torch.arange(chunk.start + 1, chunk.start + num_rows + 1, dtype=torch.int32)
-        return _paged_kernel(meta, q, k_cache, v_cache, chunk.block_table, 0, lens, chunk.start + num_rows, scale)
+        return _paged_c(kernel, meta, q, k_cache, v_cache, chunk.block_table, 0, lens, chunk.start + num_rows,
+                        scale)
     return out.to(q.dtype)
 
 
-def _paged_kernel(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  tables: torch.Tensor, table_stride: int, context_lens: torch.Tensor, max_context_len: int,
-                  scale: float) -> torch.Tensor:
+def _paged_c(kernel: ctypes.CDLL, meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor,
+             v_cache: torch.Tensor, tables: torch.Tensor, table_stride: int, context_lens: torch.Tensor,
+             max_context_len: int, scale: float) -> torch.Tensor:
     """The C kernel: query row i ([rows, num_heads, head_dim]) attends to the first context_lens[i]
     tokens of the blocks in row i of `tables` (table_stride 0: one table for every row)."""
     q32 = q.to(torch.float32).contiguous()
     out = torch.empty_like(q32)
     num_rows, num_heads, head_dim = q32.shape
     _, num_kv_heads, block_size, _ = v_cache.shape
-    function = meta.kernel.paged_decode_f32 if k_cache.dtype == torch.float32 else meta.kernel.paged_decode_bf16
+    function = kernel.paged_decode_f32 if k_cache.dtype == torch.float32 else kernel.paged_decode_bf16
     failed = function(q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), table_stride,
                       context_lens.data_ptr(), out.data_ptr(), num_rows, num_heads, num_kv_heads,
                       head_dim, block_size, max_context_len, scale, meta.num_threads)

@@ -17,11 +17,15 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from bulkgen.engine import attention
+
+if TYPE_CHECKING:
+    from bulkgen.engine.cpu_paths import CpuPaths
 
 FAMILY = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
@@ -47,18 +51,18 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
 
 
 class Linear:
-    """y = x W^T + b. On CPU: float32, and bfloat16 where the CPU has AVX512-BF16, through our C kernel
-    (weights packed once into its panels; 1.3-2× oneDNN for the few rows of a decode step, on par for
-    prefill chunks); otherwise through oneDNN with the weight reordered once (a third faster than
-    nn.Linear's MKL path); elsewhere torch's linear."""
+    """y = x W^T + b. On CPU, given the C kernels (`kernel`; whether to is measured per machine, see
+    cpu_paths.py): float32, and bfloat16 where the CPU has AVX512-BF16, through our C GEMM (weights packed
+    once into its panels; 1.3-2x oneDNN for the few rows of a decode step); otherwise through oneDNN with
+    the weight reordered once (a third faster than nn.Linear's MKL path) where oneDNN has the dtype;
+    elsewhere torch's linear."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool,
                  kernel: ctypes.CDLL | None = None) -> None:
         on_cpu = weight.device.type == "cpu"
         self.out_features, self.in_features = weight.shape
         self.kernel = kernel if pack and kernel_takes(kernel, weight) else None
-        self.packed = pack and on_cpu and self.kernel is None and torch.backends.mkldnn.is_available() \
-            and weight.dtype != torch.float16
+        self.packed = pack and on_cpu and self.kernel is None and onednn_takes(weight.dtype)
         self.bias = bias
         if self.kernel is not None:
             self.dtype = weight.dtype
@@ -83,6 +87,17 @@ class Linear:
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+def onednn_takes(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's packed linear layer runs this dtype on this CPU: float32 wherever oneDNN is built in;
+    bfloat16 only where torch says oneDNN supports it (AVX-512 or AVX-NE-CONVERT: elsewhere reordering the
+    weight raises); float16 never (torch's own path)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.float32:
+        return True
+    return dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def kernel_takes(kernel: ctypes.CDLL | None, weight: torch.Tensor) -> bool:
@@ -209,13 +224,14 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 class _Layer:
-    def __init__(self, layer: torch.nn.Module, pack: bool, kernel: ctypes.CDLL | None, ops: Ops) -> None:
+    def __init__(self, layer: torch.nn.Module, pack: bool, linear_kernel: ctypes.CDLL | None,
+                 gated_kernel: ctypes.CDLL | None, ops: Ops) -> None:
         attn, mlp = layer.self_attn, layer.mlp
-        self.qkv = fused(attn.q_proj, attn.k_proj, attn.v_proj, pack=pack, kernel=kernel)
+        self.qkv = fused(attn.q_proj, attn.k_proj, attn.v_proj, pack=pack, kernel=linear_kernel)
         self.q_size, self.kv_size = attn.q_proj.out_features, attn.k_proj.out_features
-        self.o = Linear(attn.o_proj.weight.detach(), None, pack, kernel)
-        self.mlp_in = GatedLinear(mlp.gate_proj, mlp.up_proj, pack, kernel, ops)
-        self.down = Linear(mlp.down_proj.weight.detach(), None, pack, kernel)
+        self.o = Linear(attn.o_proj.weight.detach(), None, pack, linear_kernel)
+        self.mlp_in = GatedLinear(mlp.gate_proj, mlp.up_proj, pack, gated_kernel, ops)
+        self.down = Linear(mlp.down_proj.weight.detach(), None, pack, linear_kernel)
         self.input_norm = layer.input_layernorm.weight.detach()
         self.post_norm = layer.post_attention_layernorm.weight.detach()
         self.eps = layer.input_layernorm.variance_epsilon
@@ -229,18 +245,20 @@ class _Layer:
 
 
 class LlamaForward:
-    """forward(input_ids [T], positions [T], keep [K], meta) -> logits [K, vocab] in the model's dtype."""
+    """forward(input_ids [T], positions [T], keep [K], meta) -> logits [K, vocab] in the model's dtype.
+    Each kernel family (linear layers, the gated MLP input, the small ops) runs in C or torch as `paths` says."""
 
-    def __init__(self, model: torch.nn.Module, kernel: ctypes.CDLL | None, pack: bool) -> None:
+    def __init__(self, model: torch.nn.Module, paths: CpuPaths, pack: bool) -> None:
         inner = model.model
         self.embed = inner.embed_tokens
         self.rotary = inner.rotary_emb
         self.final_norm = inner.norm.weight.detach()
         self.final_eps = inner.norm.variance_epsilon
-        self.ops = Ops(kernel, self.final_norm.dtype)
-        self.layers = [_Layer(layer, pack, kernel, self.ops) for layer in inner.layers]
+        self.ops = Ops(paths.c("small_ops"), self.final_norm.dtype)
+        self.layers = [_Layer(layer, pack, paths.c("linear"), paths.c("gated_mlp"), self.ops) for layer in inner.layers]
         head = model.lm_head
-        self.lm_head = Linear(head.weight.detach(), None if head.bias is None else head.bias.detach(), pack, kernel)
+        self.lm_head = Linear(head.weight.detach(), None if head.bias is None else head.bias.detach(), pack,
+                              paths.c("linear"))
         model.lm_head = torch.nn.Identity()  # its (packed) copy is ours now; tied embeddings keep theirs
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
@@ -269,9 +287,8 @@ class LlamaForward:
         return self.lm_head(x)
 
 
-def make_forward(model: torch.nn.Module, kernel: ctypes.CDLL | None, pack: bool,
-                 ) -> Callable[..., torch.Tensor] | None:
+def make_forward(model: torch.nn.Module, paths: CpuPaths, pack: bool) -> Callable[..., torch.Tensor] | None:
     """The lean forward for this model, or None where it must run through Hugging Face's modules."""
     if unsupported_reason(model) is not None:
         return None
-    return LlamaForward(model, kernel, pack)
+    return LlamaForward(model, paths, pack)

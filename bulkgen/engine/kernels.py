@@ -1,8 +1,11 @@
-"""Our C kernels for the CPU (paged attention, the KV write, fused RMSNorm, SiLU-mul, argmax and
-float32 linear layers): compiled once per machine, loaded with ctypes.
+"""Our C kernels for the CPU (paged attention, the KV write, fused RMSNorm, SiLU-mul, RoPE, argmax and
+the linear layers): compiled once per machine with -march=native, loaded with ctypes.
 
-It needs only a C compiler with OpenMP (gcc), no torch headers, so it builds in well under a second.
-Where no compiler is found the engine falls back to pure torch, slower but identical in results.
+It needs only a C compiler with OpenMP (gcc), no torch headers, so it builds in about a second. The
+library is cached under a key of its sources, its flags and this CPU's flags, so a kernel built for one
+CPU is never loaded on another; and it checks on load that this CPU runs every extension it was built
+for. Where no compiler is found the engine falls back to pure torch, slower but identical in results.
+Whether each kernel family then runs in C or torch is decided per machine (cpu_paths.py).
 """
 
 from __future__ import annotations
@@ -20,73 +23,77 @@ from functools import cache
 from pathlib import Path
 
 from bulkgen.config import Paths
+from bulkgen.engine.cpu import cpu_flags_line
 
 log = logging.getLogger(__name__)
 
 SOURCES = ("paged_attention.c", "ops.c", "gemm.c")
 HEADERS = ("vec.h",)
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
-_ARGS = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int] * 6 \
-    + [ctypes.c_float, ctypes.c_int]
-_WRITE_ARGS = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 4 + [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 2 \
-    + [ctypes.c_int] * 4
+NO_KERNEL_ENV = "BULKGEN_NO_KERNEL"
+# More compiler flags for the engine's build, e.g. "-mno-avx512f" to run the AVX2 kernels on an AVX-512 CPU
+CFLAGS_ENV = "BULKGEN_KERNEL_CFLAGS"
+
+_P, _I64, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+_DECODE = (_I, [_P] * 4 + [_I64, _P, _P] + [_I] * 6 + [_F, _I])
+_PREFILL = (_I, [_P] * 4 + [_I] * 2 + [_P] + [_I] * 4 + [_F, _I])
+_WRITE_KV = (None, [_P] * 2 + [_I64] * 4 + [_P, _I] + [_P] * 2 + [_I] * 4)
+# Every C function the engine calls: name -> (return type, argument types), as defined in csrc/*.c.
+SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
+    "paged_decode_f32": _DECODE, "paged_decode_bf16": _DECODE,
+    "paged_prefill_f32": _PREFILL, "paged_prefill_bf16": _PREFILL,
+    "write_kv_4": _WRITE_KV, "write_kv_2": _WRITE_KV,
+    "rms_norm": (None, [_P, _P, _P, _P, _I64, _I64, _F, _I, _I]),
+    "silu_mul": (None, [_P, _P, _I64, _I64, _I, _I]),
+    "argmax_rows": (None, [_P, _I64, _I64, _I64, _P, _I]),
+    "rope": (None, [_P, _I64, _I64, _I, _I, _P, _P, _I, _I]),
+    "pack_linear_f32": (None, [_P, _I64, _I64, _P, _I]),
+    "linear_f32": (None, [_P, _I64, _I64, _P, _I64, _P, _P, _I]),
+    "pack_linear_bf16": (None, [_P, _I64, _I64, _P, _I]),
+    "linear_bf16": (None, [_P, _I64, _I64, _P, _I64, _P, _P, _I]),
+    "linear_silu_mul_f32": (None, [_P, _I64, _I64, _P, _I64, _P, _I]),
+    "linear_silu_mul_bf16": (None, [_P, _I64, _I64, _P, _I64, _P, _I]),
+    "linear_packed_size": (_I64, [_I64, _I64]),
+    "linear_bf16_available": (_I, [_I64]),
+    "kernel_isa_ok": (_I, []),
+}
+
+
+def load_cpu_kernels(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """The compiled kernel library, or None (with one warning) when it cannot be built or run here.
+    extra_flags: more compiler flags (tests build the portable paths with `-mno-avx512f`, say), after
+    those of BULKGEN_KERNEL_CFLAGS."""
+    if os.environ.get(NO_KERNEL_ENV):
+        return None
+    return _load((*os.environ.get(CFLAGS_ENV, "").split(), *extra_flags))
 
 
 @cache
-def load_cpu_kernels(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
-    """The compiled kernel library, or None (with one warning) when it cannot be built here.
-    extra_flags: more compiler flags (tests build the portable paths with `-mno-avx512bf16`, say)."""
-    if os.environ.get("BULKGEN_NO_KERNEL"):
-        return None
+def _load(extra_flags: tuple[str, ...]) -> ctypes.CDLL | None:
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
-        log.warning("bulkgen: no C compiler found; CPU decode attention falls back to torch (slower)")
+        log.warning("bulkgen: no C compiler found; the CPU engine runs in pure torch (slower)")
         return None
     sources = {name: importlib.resources.files("bulkgen.engine").joinpath(f"csrc/{name}").read_text()
                for name in (*SOURCES, *HEADERS)}
     flags = [*FLAGS, *extra_flags]
-    key = hashlib.sha256("\n".join([*sources.values(), compiler, *flags, _cpu_flags()]).encode()).hexdigest()[:16]
-    out_dir = Paths().cache_dir / "kernels"
-    library = out_dir / f"bulkgen-cpu-{key}.so"
+    key = hashlib.sha256("\n".join([*sources.values(), compiler, *flags, cpu_flags_line()]).encode()).hexdigest()[:16]
+    library = Paths().cache_dir / "kernels" / f"bulkgen-cpu-{key}.so"
     try:
         if not library.is_file():
             _compile(compiler, flags, sources, library)
         lib = ctypes.CDLL(str(library))
-    except (OSError, subprocess.CalledProcessError) as exc:
+        for name, (restype, argtypes) in SIGNATURES.items():
+            function = getattr(lib, name)
+            function.restype, function.argtypes = restype, argtypes
+    except (OSError, AttributeError, subprocess.CalledProcessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
-        log.warning("bulkgen: could not build the CPU attention kernel (%s); falling back to torch", detail)
+        log.warning("bulkgen: could not build the CPU kernels (%s); the CPU engine runs in pure torch", detail)
         return None
-    for name in ("paged_decode_f32", "paged_decode_bf16"):
-        function = getattr(lib, name)
-        function.argtypes = _ARGS
-        function.restype = ctypes.c_int
-    for name in ("paged_prefill_f32", "paged_prefill_bf16"):
-        function = getattr(lib, name)
-        function.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 2 + [ctypes.c_void_p] + [ctypes.c_int] * 4 \
-            + [ctypes.c_float, ctypes.c_int]
-        function.restype = ctypes.c_int
-    for name in ("write_kv_4", "write_kv_2"):
-        function = getattr(lib, name)
-        function.argtypes = _WRITE_ARGS
-        function.restype = None
-    p, i64, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    for name, argtypes in {"rms_norm": [p, p, p, p, i64, i64, ctypes.c_float, i, i],
-                           "silu_mul": [p, p, i64, i64, i, i],
-                           "argmax_rows": [p, i64, i64, i64, p, i],
-                           "rope": [p, i64, i64, i, i, p, p, i, i],
-                           "pack_linear_f32": [p, i64, i64, p, i],
-                           "linear_f32": [p, i64, i64, p, i64, p, p, i],
-                           "pack_linear_bf16": [p, i64, i64, p, i],
-                           "linear_bf16": [p, i64, i64, p, i64, p, p, i],
-                           "linear_silu_mul_f32": [p, i64, i64, p, i64, p, i],
-                           "linear_silu_mul_bf16": [p, i64, i64, p, i64, p, i]}.items():
-        function = getattr(lib, name)
-        function.argtypes = argtypes
-        function.restype = None
-    lib.linear_packed_size.argtypes = [i64, i64]
-    lib.linear_packed_size.restype = i64
-    lib.linear_bf16_available.argtypes = [i64]
-    lib.linear_bf16_available.restype = i
+    if not lib.kernel_isa_ok():
+        log.warning("bulkgen: %s was built for instructions this CPU lacks (a cache shared between machines?); "
+                    "the CPU engine runs in pure torch. Delete it to rebuild here.", library)
+        return None
     return lib
 
 
@@ -102,16 +109,6 @@ def _compile(compiler: str, flags: list[str], sources: dict[str, str], library: 
                 paths.append(Path(tmp) / name)
                 paths[-1].write_text(text)
             built = Path(tmp) / library.name
-            subprocess.run([compiler, *flags, *(str(p) for p in paths if p.suffix == ".c"), "-o", str(built), "-lm"], check=True,
-                           capture_output=True, text=True)
+            subprocess.run([compiler, *flags, *(str(p) for p in paths if p.suffix == ".c"), "-o", str(built), "-lm"],
+                           check=True, capture_output=True, text=True)
             os.replace(built, library)
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return ""

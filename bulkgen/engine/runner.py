@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 from pathlib import Path
 
 import numpy as np
 import psutil
 import torch
 
-from bulkgen.config import EngineConfig, format_size
-from bulkgen.engine import attention, forward
-from bulkgen.engine.kernels import load_cpu_kernels
+from bulkgen.config import EngineConfig, format_size, parse_kernels
+from bulkgen.engine import attention, cpu_paths, forward
+from bulkgen.engine.cpu import check_dtype_fits
+from bulkgen.engine.kernels import NO_KERNEL_ENV, load_cpu_kernels
 from bulkgen.engine.scheduler import ScheduledSeq
 from bulkgen.engine.sequence import Sequence
 from bulkgen.errors import ConfigError, ModelError
@@ -37,17 +39,15 @@ class ModelRunner:
         self.device = _device(config.device)
         self.dtype = DTYPES[config.dtype]
         if self.device.type == "cpu":
+            check_dtype_fits(config.dtype)
             if config.num_threads:
                 torch.set_num_threads(config.num_threads)
             _keep_freed_memory()
         self.model = _load(model, self.dtype, self.device)
-        use_kernel = self.device.type == "cpu" and config.attention_backend != "torch" \
-            and self.dtype in (torch.float32, torch.bfloat16)
-        self.kernel = load_cpu_kernels() if use_kernel else None
-        if config.attention_backend == "kernel" and self.kernel is None:
-            raise ConfigError("attention backend 'kernel' needs a CPU, float32 or bfloat16, and a C compiler (gcc)")
-        self.ops = forward.Ops(self.kernel, self.dtype)
-        self.forward = forward.make_forward(self.model, self.kernel, config.pack_weights) \
+        self.paths = self._choose_paths()
+        self.kernel = self.paths.kernel
+        self.ops = forward.Ops(self.paths.c("small_ops"), self.dtype)
+        self.forward = forward.make_forward(self.model, self.paths, config.pack_weights) \
             if config.fast_forward else None
         self.packed_linears = 0
         if self.forward is None and config.pack_weights and self.device.type == "cpu" and self.dtype != torch.float16:
@@ -76,8 +76,9 @@ class ModelRunner:
         k_shape = attention.k_block_shape(self.num_kv_heads, self.head_dim, self.block_size, self.dtype)
         self._k_caches = list(self.kv_cache[0].view(*shape[:2], *k_shape))
         self._v_caches = list(self.kv_cache[1])
-        # Whether attention runs in our C kernels (decode and prefill) rather than torch
-        self.kernel_attention = self.kernel is not None and attention.kernel_layout(self._k_caches[0])
+        # Whether prefill attention runs in our C kernel (it reads each chunk's context from the blocks itself)
+        self.prefill_in_c = self.paths.c("prefill_attention") is not None \
+            and attention.kernel_layout(self._k_caches[0])
 
     @property
     def max_num_tokens(self) -> int:
@@ -109,7 +110,7 @@ class ModelRunner:
             positions.extend(range(start, start + n))
             context_slots = _slots(seq.block_table, bs, 0, start + n)  # the chunk's and its context's
             slots.extend(context_slots[start:].tolist())
-            if self.kernel_attention:  # the C kernel reads the context from the blocks itself
+            if self.prefill_in_c:
                 chunk.block_table = torch.tensor(seq.block_table, dtype=torch.int32)
             elif start:
                 chunk.context_blocks = torch.from_numpy(context_slots // bs).to(self.device)
@@ -150,8 +151,40 @@ class ModelRunner:
             decode_block_tables=torch.from_numpy(tables).to(self.device),
             decode_context_lens=torch.tensor(context_lens, dtype=torch.int32, device=self.device),
             decode_max_context_len=max(context_lens, default=0),
-            prefills=chunks, kernel=self.kernel, num_threads=torch.get_num_threads(),
+            prefills=chunks, decode_kernel=self.paths.c("decode_attention"),
+            prefill_kernel=self.paths.c("prefill_attention"), write_kernel=self.paths.c("small_ops"),
+            num_threads=torch.get_num_threads(),
         )
+
+    def _choose_paths(self) -> cpu_paths.CpuPaths:
+        """C kernels or torch, per kernel family (cpu_paths.py): forced by the config or BULKGEN_KERNELS, else
+        measured on this machine. Logged at INFO (`bulkgen run -v`)."""
+        config = self.config
+        if self.device.type != "cpu":
+            return cpu_paths.CpuPaths.torch_only(f"not on a CPU ({self.device})")
+        if config.attention_backend == "torch":
+            paths = cpu_paths.CpuPaths.torch_only("forced by --attention-backend torch")
+        else:
+            spec, forced_by = config.kernels, f"--kernels {config.kernels}"
+            if spec == "auto" and os.environ.get(cpu_paths.KERNELS_ENV):
+                spec = os.environ[cpu_paths.KERNELS_ENV]
+                forced_by = f"{cpu_paths.KERNELS_ENV}={spec}"
+            forced = parse_kernels(spec)
+            if config.attention_backend == "kernel":
+                forced.update(decode_attention="c", prefill_attention="c")
+                forced_by = "--attention-backend kernel" if spec == "auto" else f"{forced_by} --attention-backend kernel"
+            if len(forced) == len(cpu_paths.KERNEL_FAMILIES) and "c" not in forced.values():
+                return cpu_paths.CpuPaths.torch_only(f"forced by {forced_by}")
+            kernel = load_cpu_kernels()
+            no_kernel = f"{NO_KERNEL_ENV} is set" if os.environ.get(NO_KERNEL_ENV) \
+                else "the C kernels could not be built or loaded here (see the warning above)"
+            paths = cpu_paths.choose(kernel, self.dtype, cpu_paths.model_shape(self.model, config), forced, forced_by,
+                                     no_kernel)
+        log.info("bulkgen: %s; kernel paths%s:", cpu_paths.describe_machine(self.dtype),
+                 f" ({paths.note})" if paths.note else "")
+        for line in paths.lines():
+            log.info("  %s", line)
+        return paths
 
     def _kv_budget(self) -> int:
         if self.config.kv_cache_memory is not None:

@@ -8,11 +8,19 @@
  * here (21 GB/s) and 35 ms for 18 rows, against 11-17 ms and 26 ms for this kernel. From about a
  * hundred rows up both run at the CPU's float32 peak (~210 GFLOP/s on this 2-core machine).
  *
- * Layout: W [N, K] is packed once into panels of NR = 48 output columns, [ceil(N/NR)][K][NR]
- * (the last panel zero-padded), so a panel streams from memory in one sequential run. A tile of up
- * to MR_MAX rows keeps MR x 3 vector accumulators in registers; for each k it loads the panel's 48
- * weights once and broadcasts each row's x[k] against them. A batch larger than MR_MAX is split into
- * balanced row groups that reuse the panel from L2. Threads split the panels.
+ * Layout: W [N, K] is packed once into panels of NR output columns, [ceil(N/NR)][K][NR] (the last
+ * panel zero-padded), so a panel streams from memory in one sequential run. A tile of up to MR_MAX
+ * rows keeps MR x NR/VN vector accumulators in registers; for each k it loads the panel's NR weights
+ * once and broadcasts each row's x[k] against them. A batch larger than MR_MAX is split into balanced
+ * row groups that reuse the panel from L2. Threads split the panels.
+ *
+ * The tile is sized to the vector registers of the instruction set the library is built for (a tile
+ * that does not fit spills its accumulators to the stack on every k: the 10 x 48 tile written for
+ * AVX-512 ran 7x slower than oneDNN when built for AVX2):
+ *   AVX-512    32 registers of 16 floats: 10 rows x 48 columns (30 accumulators, 3 weights, 1 broadcast)
+ *   AVX, AVX2  16 registers of 8 floats:   6 rows x 16 columns (12 accumulators, 2 weights, 1 broadcast)
+ *   NEON       32 registers of 4 floats:   6 rows x 16 columns (24 accumulators, 4 weights, 1 broadcast)
+ *   otherwise  (SSE2: 16 registers of 4):  6 rows x 8 columns  (12 accumulators, 2 weights, 1 broadcast)
  *
  * Summation order: each output is one float32 FMA chain over k = 0..K-1, whatever the batch, so a
  * request's logits do not depend on which other requests share its step.
@@ -22,10 +30,18 @@
 
 #include "vec.h"
 
+#if defined(__AVX512F__)
 #define NR 48
 #define MR_MAX 10
+#elif defined(__AVX__) || defined(__aarch64__)
+#define NR 16
+#define MR_MAX 6
+#else
+#define NR 8
+#define MR_MAX 6
+#endif
 
-static inline vf16 splat(float v) { return -(vf16){} + v; } /* -0.0 + v == v: folds to one broadcast */
+static inline vf splat(float v) { return -(vf){} + v; } /* -0.0 + v == v: folds to one broadcast */
 
 /* A tile: rows x[0..MR) against one panel w, into y (row stride ldy), the first ncols columns. */
 typedef void (*tile_fn)(const void *x, int64_t K, const void *w, void *y, int64_t ldy, int ncols, const void *bias);
@@ -82,15 +98,15 @@ static void run_tiles_silu_mul(const tile_fn *tiles, size_t elem, int dtype, con
                           const void *bias_) { \
         const float *restrict x = x_, *restrict w = w_, *restrict bias = bias_; \
         float *restrict y = y_; \
-        vf16 acc[MR][NR / 16]; \
+        vf acc[MR][NR / VN]; \
         _Pragma("GCC unroll 16") for (int r = 0; r < MR; r++) \
-            _Pragma("GCC unroll 4") for (int j = 0; j < NR / 16; j++) acc[r][j] = (vf16){0}; \
+            _Pragma("GCC unroll 4") for (int j = 0; j < NR / VN; j++) acc[r][j] = (vf){0}; \
         for (int64_t k = 0; k < K; k++) { \
-            vf16 wk[NR / 16]; \
-            _Pragma("GCC unroll 4") for (int j = 0; j < NR / 16; j++) wk[j] = vload_f32(w + k * NR + 16 * j); \
+            vf wk[NR / VN]; \
+            _Pragma("GCC unroll 4") for (int j = 0; j < NR / VN; j++) wk[j] = vload_f32(w + k * NR + VN * j); \
             _Pragma("GCC unroll 16") for (int r = 0; r < MR; r++) { \
-                vf16 b = splat(x[r * K + k]); \
-                _Pragma("GCC unroll 4") for (int j = 0; j < NR / 16; j++) acc[r][j] += b * wk[j]; \
+                vf b = splat(x[r * K + k]); \
+                _Pragma("GCC unroll 4") for (int j = 0; j < NR / VN; j++) acc[r][j] += b * wk[j]; \
             } \
         } \
         for (int r = 0; r < MR; r++) { \
@@ -102,11 +118,16 @@ static void run_tiles_silu_mul(const tile_fn *tiles, size_t elem, int dtype, con
         } \
     }
 
-LINEAR_TILE(1) LINEAR_TILE(2) LINEAR_TILE(3) LINEAR_TILE(4) LINEAR_TILE(5)
-LINEAR_TILE(6) LINEAR_TILE(7) LINEAR_TILE(8) LINEAR_TILE(9) LINEAR_TILE(10)
-
+LINEAR_TILE(1) LINEAR_TILE(2) LINEAR_TILE(3) LINEAR_TILE(4) LINEAR_TILE(5) LINEAR_TILE(6)
+#if MR_MAX == 10
+LINEAR_TILE(7) LINEAR_TILE(8) LINEAR_TILE(9) LINEAR_TILE(10)
 static const tile_fn TILES[MR_MAX + 1] = {0, tile_1, tile_2, tile_3, tile_4, tile_5,
                                           tile_6, tile_7, tile_8, tile_9, tile_10};
+#elif MR_MAX == 6
+static const tile_fn TILES[MR_MAX + 1] = {0, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6};
+#else
+#error "tiles of 6 or 10 rows"
+#endif
 
 /* Floats the packed form of an [N, K] weight takes. */
 int64_t linear_packed_size(int64_t N, int64_t K) { return (N + NR - 1) / NR * NR * K; }

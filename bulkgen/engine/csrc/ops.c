@@ -17,25 +17,25 @@
  * back into x, so that one pass does the residual add and the norm of the next sub-layer. */
 void rms_norm(void *x, const void *residual, const void *weight, void *out, int64_t rows, int64_t cols,
               float eps, int dtype, int num_threads) {
-    const int64_t vec_end = cols / 16 * 16;
+    const int64_t vec_end = cols / VN * VN;
     #pragma omp parallel for num_threads(num_threads) schedule(static) if (rows > 4)
     for (int64_t r = 0; r < rows; r++) {
         const int64_t o = r * cols;
         if (residual != NULL) {
-            for (int64_t i = 0; i < vec_end; i += 16)
+            for (int64_t i = 0; i < vec_end; i += VN)
                 vstore(x, o + i, vload(x, o + i, dtype) + vload(residual, o + i, dtype), dtype);
             for (int64_t i = vec_end; i < cols; i++) store(x, o + i, load(x, o + i, dtype) + load(residual, o + i, dtype), dtype);
         }
-        vf16 partial = {0};
-        for (int64_t i = 0; i < vec_end; i += 16) {
-            vf16 v = vload(x, o + i, dtype);
+        vf partial = {0};
+        for (int64_t i = 0; i < vec_end; i += VN) {
+            vf v = vload(x, o + i, dtype);
             partial += v * v;
         }
         float sum = 0.0f;
-        for (int j = 0; j < 16; j++) sum += partial[j];
+        for (int j = 0; j < VN; j++) sum += partial[j];
         for (int64_t i = vec_end; i < cols; i++) sum += load(x, o + i, dtype) * load(x, o + i, dtype);
         const float inv = 1.0f / sqrtf(sum / (float)cols + eps);
-        for (int64_t i = 0; i < vec_end; i += 16)
+        for (int64_t i = 0; i < vec_end; i += VN)
             vstore(out, o + i, vload(weight, i, dtype) * vround_to(vload(x, o + i, dtype) * inv, dtype), dtype);
         for (int64_t i = vec_end; i < cols; i++)
             store(out, o + i, load(weight, i, dtype) * round_to(load(x, o + i, dtype) * inv, dtype), dtype);
@@ -59,17 +59,17 @@ void silu_mul(const void *gate_up, void *out, int64_t rows, int64_t cols, int dt
 __attribute__((optimize("fp-contract=off")))
 void rope(void *x, int64_t rows, int64_t row_stride, int num_heads, int head_dim, const void *cos,
           const void *sin, int dtype, int num_threads) {
-    const int half = head_dim / 2, vec_end = half / 16 * 16;
+    const int half = head_dim / 2, vec_end = half / VN * VN;
     #pragma omp parallel for num_threads(num_threads) schedule(static) if (rows > 16)
     for (int64_t r = 0; r < rows; r++) {
         const int64_t c0 = r * head_dim;
         for (int h = 0; h < num_heads; h++) {
             const int64_t x0 = r * row_stride + (int64_t)h * head_dim;
-            for (int i = 0; i < vec_end; i += 16) {
-                const vf16 x1 = vload(x, x0 + i, dtype), x2 = vload(x, x0 + i + half, dtype);
-                const vf16 a = vround_to(x1 * vload(cos, c0 + i, dtype), dtype)
+            for (int i = 0; i < vec_end; i += VN) {
+                const vf x1 = vload(x, x0 + i, dtype), x2 = vload(x, x0 + i + half, dtype);
+                const vf a = vround_to(x1 * vload(cos, c0 + i, dtype), dtype)
                              + vround_to(-x2 * vload(sin, c0 + i, dtype), dtype);
-                const vf16 b = vround_to(x2 * vload(cos, c0 + i + half, dtype), dtype)
+                const vf b = vround_to(x2 * vload(cos, c0 + i + half, dtype), dtype)
                              + vround_to(x1 * vload(sin, c0 + i + half, dtype), dtype);
                 vstore(x, x0 + i, a, dtype);
                 vstore(x, x0 + i + half, b, dtype);
@@ -115,3 +115,40 @@ void argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t row_stride,
         out[r] = index;
     }
 }
+
+/* 1 where this CPU runs every instruction-set extension the library was compiled for, else 0. The
+ * library is built with -march=native and cached under a key of the CPU's flags, so a mismatch means a
+ * cache shared between machines or copied; the loader then builds its own instead of crashing on an
+ * illegal instruction. Compiled for the x86-64 baseline itself, so that asking is always safe. */
+#if defined(__x86_64__) || defined(__i386__)
+__attribute__((target("arch=x86-64")))
+int kernel_isa_ok(void) {
+    __builtin_cpu_init();
+#define NEED(name) if (!__builtin_cpu_supports(name)) return 0
+#ifdef __AVX__
+    NEED("avx");
+#endif
+#ifdef __AVX2__
+    NEED("avx2");
+#endif
+#ifdef __FMA__
+    NEED("fma");
+#endif
+#ifdef __AVX512F__
+    NEED("avx512f");
+#endif
+#ifdef __AVX512BW__
+    NEED("avx512bw");
+#endif
+#ifdef __AVX512VL__
+    NEED("avx512vl");
+#endif
+#ifdef __AVX512BF16__
+    NEED("avx512bf16");
+#endif
+#undef NEED
+    return 1;
+}
+#else
+int kernel_isa_ok(void) { return 1; }
+#endif

@@ -15,14 +15,15 @@
  * each key and value row is read from memory once per step; and a block's K part (all KV heads) is
  * one contiguous run, read in order (about a quarter faster than one work item per KV head, whose
  * runs are a third as long). Two passes: scores over K, then the weighted sum over V.
- * K is transposed within its block so that the scores of 16 tokens are one vector (q[d] broadcast
+ * K is transposed within its block so that the scores of VN tokens are one vector (q[d] broadcast
  * over row d of the block): no horizontal sum per token, which halved the work of the first pass.
  * bfloat16 K keeps dims in pairs so that AVX512-BF16's vdpbf16ps takes 16 tokens × 2 dims per
  * instruction straight from the block (no conversion; half the instructions of the float32 pass);
  * bfloat16 V rows are paired in registers for vdpbf16ps too, with the probabilities rounded to
  * bfloat16 (as torch's flash kernel rounds them for P·V); without AVX512-BF16, V is converted as loaded.
  * Head dims 64 and 128 with block sizes a multiple of 16 get vectorised versions (GCC vector
- * extensions: AVX-512, AVX2 or whatever -march=native offers); others take a plain loop.
+ * extensions in vectors of the build's width, VN lanes: AVX-512, AVX2, SSE or NEON); others take a
+ * plain loop.
  */
 #include <math.h>
 #include <stdint.h>
@@ -73,19 +74,17 @@ static inline float sload_bf16(const uint16_t *p, int64_t i) {
     return f;
 }
 
-typedef float vf8 __attribute__((vector_size(32)));
-typedef float vf4 __attribute__((vector_size(16)));
-
-/* Sum of 16 lanes as a tree (a lane-by-lane loop is a chain of 16 dependent adds). */
-static inline float hsum(vf16 v) {
-    vf8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7)
-          + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-    vf4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-    return (b[0] + b[2]) + (b[1] + b[3]);
+/* Sum of the lanes as a tree (a lane-by-lane loop is a chain of VN dependent adds). */
+static inline float hsum(vf v) {
+    float s[VN];
+    memcpy(s, &v, sizeof s);
+    for (int width = VN / 2; width >= 1; width /= 2)
+        for (int i = 0; i < width; i++) s[i] += s[i + width];
+    return s[0];
 }
 
-static inline vf16 vmax(vf16 a, vf16 b) {
-    vi16 a_wins = a > b, ai, bi;
+static inline vf vmax(vf a, vf b) {
+    vi a_wins = a > b, ai, bi;
     memcpy(&ai, &a, sizeof ai);
     memcpy(&bi, &b, sizeof bi);
     ai = (ai & a_wins) | (bi & ~a_wins);
@@ -100,15 +99,15 @@ static void softmax_rows(float *scores, float *inv_sums, int group, int ctx, int
         float *sg = scores + (int64_t)g * row_stride;
         float m = sg[0];
         int t = 0;
-        if (ctx >= 16) {
-            vf16 vm = vload_f32(sg);
-            for (t = 16; t + 16 <= ctx; t += 16) vm = vmax(vm, vload_f32(sg + t));
-            for (int i = 0; i < 16; i++) m = vm[i] > m ? vm[i] : m;
+        if (ctx >= VN) {
+            vf vm = vload_f32(sg);
+            for (t = VN; t + VN <= ctx; t += VN) vm = vmax(vm, vload_f32(sg + t));
+            for (int i = 0; i < VN; i++) m = vm[i] > m ? vm[i] : m;
         }
         for (; t < ctx; t++) m = sg[t] > m ? sg[t] : m;
-        vf16 vsum = {0};
-        for (t = 0; t + 16 <= ctx; t += 16) {
-            vf16 e = vexp(vload_f32(sg + t) - m);
+        vf vsum = {0};
+        for (t = 0; t + VN <= ctx; t += VN) {
+            vf e = vexp(vload_f32(sg + t) - m);
             memcpy(sg + t, &e, sizeof e);
             vsum += e;
         }
@@ -118,29 +117,57 @@ static void softmax_rows(float *scores, float *inv_sums, int group, int ctx, int
     }
 }
 
-/* Scores of 16 tokens (tokens v0..v0+15 of a K block) for G query heads of one KV head: K_ROWS(d)
- * gives dims d and d + 1 of the 16 tokens as float32 vectors k0, k1, each loaded once for the G heads
- * and multiplied by q[d], q[d + 1] broadcast; two accumulators per head hide FMA latency. */
+/* Scores of KT tokens (tokens v0..v0+KT-1 of a K block) for G query heads of one KV head: K_ROWS(d, v,
+ * k0, k1) gives dims d and d + 1 of the VN tokens from v as float32 vectors k0, k1, each loaded once for
+ * the G heads and multiplied by q[d], q[d + 1] broadcast. With AVX-512 a tile is one vector of tokens
+ * with two accumulators per head (dims even and odd) to hide FMA latency; narrower builds take two
+ * vectors of tokens per tile (one accumulator each), so that each broadcast feeds two FMAs. */
+#if VN == 16
+#define KT VN
 #define K_TILE_VEC(G, K_ROWS)                                                                           \
     do {                                                                                                \
-        vf16 acc[G][2];                                                                                 \
-        for (int g = 0; g < (G); g++) acc[g][0] = acc[g][1] = (vf16){0};                               \
+        vf acc[G][2];                                                                                   \
+        for (int g = 0; g < (G); g++) acc[g][0] = acc[g][1] = (vf){0};                                 \
         for (int d = 0; d < HDIM; d += 2) {                                                             \
-            K_ROWS(d);                                                                                  \
+            K_ROWS(d, v0, k0, k1);                                                                      \
             for (int g = 0; g < (G); g++) {                                                             \
                 acc[g][0] += qt[g * HDIM + d] * k0;                                                     \
                 acc[g][1] += qt[g * HDIM + d + 1] * k1;                                                 \
             }                                                                                           \
         }                                                                                               \
         for (int g = 0; g < (G); g++) {                                                                 \
-            vf16 sc = (acc[g][0] + acc[g][1]) * scale;                                                  \
+            vf sc = (acc[g][0] + acc[g][1]) * scale;                                                    \
             memcpy(st + (int64_t)g * ctx_pad + v0, &sc, sizeof sc);                                     \
         }                                                                                               \
     } while (0)
-/* k0, k1: dims d and d + 1 of the 16 tokens, from a float32 block ([HD][block_size]) */
-#define K_ROWS_F32(d)                                                                                   \
-    const vf16 k0 = vload_f32(kt + (int64_t)(d) * block_size + v0);                                     \
-    const vf16 k1 = vload_f32(kt + (int64_t)((d) + 1) * block_size + v0)
+#else
+#define KT (2 * VN)
+#define K_TILE_VEC(G, K_ROWS)                                                                           \
+    do {                                                                                                \
+        vf acc[G][2]; /* [head][tokens v0.., v0 + VN..] */                                              \
+        for (int g = 0; g < (G); g++) acc[g][0] = acc[g][1] = (vf){0};                                 \
+        for (int d = 0; d < HDIM; d += 2) {                                                             \
+            K_ROWS(d, v0, k00, k10);                                                                    \
+            K_ROWS(d, v0 + VN, k01, k11);                                                               \
+            for (int g = 0; g < (G); g++) {                                                             \
+                const float qa = qt[g * HDIM + d], qb = qt[g * HDIM + d + 1];                           \
+                acc[g][0] += qa * k00;                                                                  \
+                acc[g][1] += qa * k01;                                                                  \
+                acc[g][0] += qb * k10;                                                                  \
+                acc[g][1] += qb * k11;                                                                  \
+            }                                                                                           \
+        }                                                                                               \
+        for (int g = 0; g < (G); g++)                                                                   \
+            for (int h = 0; h < 2; h++) {                                                               \
+                vf sc = acc[g][h] * scale;                                                              \
+                memcpy(st + (int64_t)g * ctx_pad + v0 + h * VN, &sc, sizeof sc);                        \
+            }                                                                                           \
+    } while (0)
+#endif
+/* k0, k1: dims d and d + 1 of the VN tokens from v, from a float32 block ([HD][block_size]) */
+#define K_ROWS_F32(d, v, k0, k1)                                                                        \
+    const vf k0 = vload_f32(kt + (int64_t)(d) * block_size + (v));                                      \
+    const vf k1 = vload_f32(kt + (int64_t)((d) + 1) * block_size + (v))
 #define K_TILE_F32(G) K_TILE_VEC(G, K_ROWS_F32)
 
 /* bfloat16 K block: dims in pairs, [HD/2][block_size][2], so 64 bytes hold dims 2p and 2p+1 of 16
@@ -164,7 +191,7 @@ static void softmax_rows(float *scores, float *inv_sums, int group, int ctx, int
             }                                                                                           \
         }                                                                                               \
         for (int g = 0; g < (G); g++) {                                                                 \
-            vf16 sc;                                                                                    \
+            vf sc;                                                                                      \
             __m512 sum = _mm512_mul_ps(_mm512_add_ps(acc[g][0], acc[g][1]), _mm512_set1_ps(scale));      \
             memcpy(&sc, &sum, sizeof sc);                                                               \
             memcpy(st + (int64_t)g * ctx_pad + v0, &sc, sizeof sc);                                     \
@@ -172,30 +199,34 @@ static void softmax_rows(float *scores, float *inv_sums, int group, int ctx, int
     } while (0)
 #else
 /* the same from a bfloat16 pair block ([HD/2][block_size][2]): a shift and a mask split each pair */
-#define K_ROWS_BF16_PAIRS(d)                                                                            \
-    vu16 pair;                                                                                          \
-    memcpy(&pair, kt + ((int64_t)((d) / 2) * block_size + v0) * 2, sizeof pair);                        \
-    const vf16 k0 = float_of(pair << 16), k1 = float_of(pair & 0xffff0000u)
+#define K_ROWS_BF16_PAIRS(d, v, k0, k1)                                                                 \
+    vu k0##_pair;                                                                                       \
+    memcpy(&k0##_pair, kt + ((int64_t)((d) / 2) * block_size + (v)) * 2, sizeof k0##_pair);             \
+    const vf k0 = float_of(k0##_pair << 16), k1 = float_of(k0##_pair & 0xffff0000u)
 #define K_TILE_BF16(G) K_TILE_VEC(G, K_ROWS_BF16_PAIRS)
 #endif
 
 /* The weighted sum over a V block ([n][HD], converted as loaded) for G query heads of one KV head:
- * each V vector is loaded once for the G heads. */
+ * each V vector is loaded once for the G heads; VCHUNK dims at a time, so that the accumulators stay in
+ * registers. */
 #define V_TILE(G, VLOAD)                                                                                     \
     do {                                                                                                \
-        vf16 acc[G][HDIM / 16];                                                                         \
-        for (int g = 0; g < (G); g++)                                                                   \
-            for (int c = 0; c < HDIM / 16; c++) acc[g][c] = vload_f32(ot + g * HDIM + 16 * c);         \
-        for (int j = 0; j < n; j++) {                                                                   \
-            float p[G];                                                                                 \
-            for (int g = 0; g < (G); g++) p[g] = pt[(int64_t)g * ctx_pad + j];                          \
-            for (int c = 0; c < HDIM / 16; c++) {                                                       \
-                const vf16 v = VLOAD(vb + j * HDIM + 16 * c);                                           \
-                for (int g = 0; g < (G); g++) acc[g][c] += p[g] * v;                                    \
+        for (int c0 = 0; c0 < HDIM; c0 += VCHUNK) {                                                     \
+            vf acc[G][VCHUNK / VN];                                                                     \
+            for (int g = 0; g < (G); g++)                                                               \
+                for (int c = 0; c < VCHUNK / VN; c++) acc[g][c] = vload_f32(ot + g * HDIM + c0 + VN * c); \
+            for (int j = 0; j < n; j++) {                                                               \
+                float p[G];                                                                             \
+                for (int g = 0; g < (G); g++) p[g] = pt[(int64_t)g * ctx_pad + j];                      \
+                for (int c = 0; c < VCHUNK / VN; c++) {                                                 \
+                    const vf v = VLOAD(vb + j * HDIM + c0 + VN * c);                                    \
+                    for (int g = 0; g < (G); g++) acc[g][c] += p[g] * v;                                \
+                }                                                                                       \
             }                                                                                           \
+            for (int g = 0; g < (G); g++)                                                               \
+                for (int c = 0; c < VCHUNK / VN; c++)                                                   \
+                    memcpy(ot + g * HDIM + c0 + VN * c, &acc[g][c], sizeof(vf));                        \
         }                                                                                               \
-        for (int g = 0; g < (G); g++)                                                                   \
-            for (int c = 0; c < HDIM / 16; c++) memcpy(ot + g * HDIM + 16 * c, &acc[g][c], sizeof(vf16)); \
     } while (0)
 
 #if defined(__AVX512BF16__)
@@ -262,6 +293,17 @@ static inline void unpermute_pairs(float *o, int hdim) {
     memcpy(o, tmp, sizeof(float) * (size_t)hdim);
 }
 
+/* Query heads per tile (TILE) and V dims per pass (VCHUNK), sized so that a tile's accumulators stay in
+ * the build's vector registers: 2 x TILE in the K pass, TILE x VCHUNK/VN in the V pass (AVX-512, 32
+ * registers: 8 and 16; AVX2 and narrower, 16 registers: 8 and 8). */
+#if VN == 16
+#define TILE_FOR(HD) ((HD) == 64 ? 4 : 2)
+#define VCHUNK_FOR(HD) (HD)
+#else
+#define TILE_FOR(HD) 4
+#define VCHUNK_FOR(HD) (2 * VN)
+#endif
+
 /* TILE_MACRO for the query heads g0.. of a KV group: a full tile, or the 1-3 left at the group's end
  * (each size its own unrolled copy). */
 #define BY_TILE(TILE_MACRO)                                                                             \
@@ -273,14 +315,14 @@ static inline void unpermute_pairs(float *o, int hdim) {
     }
 
 /* One sequence, all heads; block_size a multiple of 16, head_dim HD a multiple of 16.
- * Scores: K is stored transposed in each block, so 16 tokens' scores are one vector: no horizontal
+ * Scores: K is stored transposed in each block, so VN tokens' scores are one vector: no horizontal
  * sums. Query heads sharing a KV head go in tiles of up to TILE heads, so each K and V vector feeds
  * several FMAs. scores: [num_heads, ctx_pad]; qpairs: the query as bfloat16 pairs (bfloat16 path). */
 #define DEFINE_SEQ_VEC(NAME, T, K_TILE, V_TILE_M, PV, HD)                                                      \
 static void NAME(const float *qs, const uint32_t *qpairs, const T *k_cache, const T *v_cache,          \
                  const int32_t *table, int ctx, float *os, float *scores, int group, int num_kv_heads,  \
                  int64_t head_stride, int64_t block_stride, int block_size, float scale, int row_heads) {\
-    enum { HDIM = (HD), TILE = (HD) == 64 ? 4 : 2 };                                                    \
+    enum { HDIM = (HD), TILE = TILE_FOR(HD), VCHUNK = VCHUNK_FOR(HD) };                                                    \
     (void)qpairs;                                                                                       \
     const int num_heads = group * num_kv_heads;                                                         \
     const int ctx_pad = (ctx + block_size - 1) / block_size * block_size;                              \
@@ -297,7 +339,7 @@ static void NAME(const float *qs, const uint32_t *qpairs, const T *k_cache, cons
                 const uint32_t *qp = qpairs + (int64_t)h * HDIM / 2;                                    \
                 (void)qt; (void)qp;                                                                     \
                 float *st = scores + (int64_t)h * ctx_pad + t0;                                         \
-                for (int v0 = 0; v0 < block_size; v0 += 16) {                                           \
+                for (int v0 = 0; v0 < block_size; v0 += KT) {                                           \
                     BY_TILE(K_TILE);                                                                    \
                 }                                                                                       \
             }                                                                                           \

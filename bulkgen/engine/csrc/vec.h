@@ -1,20 +1,32 @@
-/* 16-lane float vectors (GCC vector extensions: AVX-512 here, whatever -march=native offers elsewhere)
- * and the few helpers the kernel files share. */
+/* Float vectors of the width the build's instruction set has (GCC vector extensions), and the few
+ * helpers the kernel files share.
+ *
+ * VN, the lanes of a vector, is 16 with AVX-512, 8 with AVX/AVX2, 4 otherwise (SSE2, NEON). The kernels
+ * are written in vectors of VN lanes, never wider: GCC lowers a vector wider than the machine's through
+ * the stack, lane group by lane group, which made the AVX-512-shaped kernels 7-12x slower on AVX2. */
 #ifndef BULKGEN_VEC_H
 #define BULKGEN_VEC_H
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
-typedef float vf16 __attribute__((vector_size(64)));
-typedef uint32_t vu16 __attribute__((vector_size(64)));
-typedef int32_t vi16 __attribute__((vector_size(64)));
-typedef uint16_t vh16 __attribute__((vector_size(32)));
+#if defined(__AVX512F__)
+#define VN 16
+#elif defined(__AVX__)
+#define VN 8
+#else
+#define VN 4
+#endif
 
-static inline vu16 bits_of(vf16 f) { vu16 u; memcpy(&u, &f, sizeof u); return u; }
-static inline vf16 float_of(vu16 u) { vf16 f; memcpy(&f, &u, sizeof f); return f; }
+typedef float vf __attribute__((vector_size(4 * VN)));
+typedef uint32_t vu __attribute__((vector_size(4 * VN)));
+typedef int32_t vi __attribute__((vector_size(4 * VN)));
+typedef uint16_t vh __attribute__((vector_size(2 * VN)));
 
-static inline vf16 vload_f32(const float *p) { vf16 v; memcpy(&v, p, sizeof v); return v; }
+static inline vu bits_of(vf f) { vu u; memcpy(&u, &f, sizeof u); return u; }
+static inline vf float_of(vu u) { vf f; memcpy(&f, &u, sizeof f); return f; }
+
+static inline vf vload_f32(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t bits = (uint32_t)h << 16;
@@ -32,28 +44,28 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
-static inline vf16 vload_bf16(const uint16_t *p) {
-    vh16 h;
+static inline vf vload_bf16(const uint16_t *p) {
+    vh h;
     memcpy(&h, p, sizeof h);
-    return float_of(__builtin_convertvector(h, vu16) << 16);
+    return float_of(__builtin_convertvector(h, vu) << 16);
 }
 
-/* exp on 16 lanes for x in [-87, 88] (clamped outside): x = n ln2 + r, exp(r) by a degree-6
+/* exp on VN lanes for x in [-87, 88] (clamped outside): x = n ln2 + r, exp(r) by a degree-6
  * polynomial, 2^n in the exponent bits. Relative error about 2e-7. */
-static inline vf16 vexp(vf16 x) {
-    x = float_of((bits_of(x) & (vu16)(x >= -87.0f)) | (bits_of((vf16){0} - 87.0f) & (vu16)(x < -87.0f)));
-    x = float_of((bits_of(x) & (vu16)(x <= 88.0f)) | (bits_of((vf16){0} + 88.0f) & (vu16)(x > 88.0f)));
-    vf16 n = __builtin_convertvector(__builtin_convertvector(x * 1.44269504088896341f
-                                     + float_of((bits_of(x) & 0x80000000u) | bits_of((vf16){0} + 0.5f)), vi16), vf16);
-    vf16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    vf16 p = (vf16){0} + 1.9875691500e-4f;
+static inline vf vexp(vf x) {
+    x = float_of((bits_of(x) & (vu)(x >= -87.0f)) | (bits_of((vf){0} - 87.0f) & (vu)(x < -87.0f)));
+    x = float_of((bits_of(x) & (vu)(x <= 88.0f)) | (bits_of((vf){0} + 88.0f) & (vu)(x > 88.0f)));
+    vf n = __builtin_convertvector(__builtin_convertvector(x * 1.44269504088896341f
+                                   + float_of((bits_of(x) & 0x80000000u) | bits_of((vf){0} + 0.5f)), vi), vf);
+    vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    vf p = (vf){0} + 1.9875691500e-4f;
     p = p * r + 1.3981999507e-3f;
     p = p * r + 8.3334519073e-3f;
     p = p * r + 4.1665795894e-2f;
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    return p * float_of((vu16)((__builtin_convertvector(n, vi16) + 127) << 23));
+    return p * float_of((vu)((__builtin_convertvector(n, vi) + 127) << 23));
 }
 
 /* Elements of a tensor in the model's dtype (0 float32, 1 bfloat16), as float32; stores round to it. */
@@ -68,39 +80,39 @@ static inline void store(void *p, int64_t i, float f, int dtype) {
     else ((uint16_t *)p)[i] = f32_to_bf16(f);
 }
 
-static inline vf16 vload(const void *p, int64_t i, int dtype) {
+static inline vf vload(const void *p, int64_t i, int dtype) {
     return dtype == 0 ? vload_f32((const float *)p + i) : vload_bf16((const uint16_t *)p + i);
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 /* The CPU's own float32 -> bfloat16 rounding (to nearest even, as torch's). */
-static inline vh16 to_bf16_bits(vf16 f) {
+static inline vh to_bf16_bits(vf f) {
     __m256bh h = _mm512_cvtneps_pbh((__m512)f);
-    vh16 out;
+    vh out;
     memcpy(&out, &h, sizeof out);
     return out;
 }
 #define HAVE_BF16_ROUNDING 1
 #endif
 
-static inline vf16 vround_to(vf16 f, int dtype) {
+static inline vf vround_to(vf f, int dtype) {
     if (dtype == 0) return f;
 #ifdef HAVE_BF16_ROUNDING
-    return float_of(__builtin_convertvector(to_bf16_bits(f), vu16) << 16);
+    return float_of(__builtin_convertvector(to_bf16_bits(f), vu) << 16);
 #endif
-    vu16 u = bits_of(f);
-    vu16 nan = (vu16)((u & 0x7fffffffu) > 0x7f800000u);
-    vu16 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    vu u = bits_of(f);
+    vu nan = (vu)((u & 0x7fffffffu) > 0x7f800000u);
+    vu rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
     return float_of((rounded & ~nan) | ((u | 0x400000u) & 0xffff0000u & nan));
 }
 
-static inline void vstore(void *p, int64_t i, vf16 f, int dtype) {
+static inline void vstore(void *p, int64_t i, vf f, int dtype) {
     if (dtype == 0) { memcpy((float *)p + i, &f, sizeof f); return; }
 #ifdef HAVE_BF16_ROUNDING
-    vh16 h = to_bf16_bits(f);
+    vh h = to_bf16_bits(f);
 #else
-    vh16 h = __builtin_convertvector(bits_of(vround_to(f, 1)) >> 16, vh16);
+    vh h = __builtin_convertvector(bits_of(vround_to(f, 1)) >> 16, vh);
 #endif
     memcpy((uint16_t *)p + i, &h, sizeof h);
 }
@@ -108,9 +120,9 @@ static inline void vstore(void *p, int64_t i, vf16 f, int dtype) {
 /* out[i] = to_dtype(to_dtype(silu(gate[i])) * up[i]) for i < n, silu(g) = g / (1 + exp(-g)): torch's
  * F.silu(gate) * up in the dtype. */
 static inline void silu_mul_span(const void *gate, const void *up, void *out, int64_t n, int dtype) {
-    const int64_t vec_end = n / 16 * 16;
-    for (int64_t i = 0; i < vec_end; i += 16) {
-        const vf16 g = vload(gate, i, dtype);
+    const int64_t vec_end = n / VN * VN;
+    for (int64_t i = 0; i < vec_end; i += VN) {
+        const vf g = vload(gate, i, dtype);
         vstore(out, i, vround_to(g / (1.0f + vexp(-g)), dtype) * vload(up, i, dtype), dtype);
     }
     for (int64_t i = vec_end; i < n; i++) {

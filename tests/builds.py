@@ -1,0 +1,30 @@
+"""The builds of the C kernels that tests run against torch on whatever machine they land on: the one the
+engine would use here (-march=native), and the portable ones every CPU kind may get: without AVX512-BF16,
+without AVX-512 (AVX2 code, 16 registers of 8 floats) and the x86-64 baseline (SSE2, no extension). On a
+CPU without AVX-512 the first three are the same code."""
+
+from __future__ import annotations
+
+import platform
+
+import pytest
+
+from bulkgen.engine.kernels import load_cpu_kernels
+
+if platform.machine() in ("x86_64", "AMD64"):
+    BUILDS = {"native": (), "no-avx512bf16": ("-mno-avx512bf16",), "no-avx512": ("-mno-avx512f",),
+              "x86-64": ("-march=x86-64",)}
+else:
+    BUILDS = {"native": ()}
+
+HAS_AVX512_BF16 = "avx512_bf16" in open("/proc/cpuinfo").read()
+
+
+def kernel(build: str = "native"):
+    """The kernel library of a build (they build wherever gcc is present: CI has it)."""
+    library = load_cpu_kernels(BUILDS[build])
+    assert library is not None, f"the {build} build of the kernels failed"
+    return library
+
+
+builds = pytest.mark.parametrize("build", list(BUILDS))
