@@ -361,9 +361,9 @@ def export(job_id: int, output: Path, include_inputs: bool, input_path: Path | N
               help="Budget for rows without a max_new_tokens column.")
 @click.option("--model", default=None, help="Alias, .gguf file or Hugging Face directory (default model if not given).")
 @click.option("--compare", default="hf-static-sorted", show_default=True,
-              help="Peers, comma-separated, each optionally @dtype (or, for bulkgen, @policy and "
-                   "@no-kv-admission): bulkgen, bulkgen-store, hf-static, hf-static-sorted, hf-cb, vllm. Peers "
-                   "not installed are skipped.")
+              help="Peers, comma-separated, each optionally @dtype (or, for bulkgen, @policy, "
+                   "@no-kv-admission, or @torch / @c for its CPU kernel paths): bulkgen, bulkgen-store, hf-static, "
+                   "hf-static-sorted, hf-cb, vllm. Peers not installed are skipped.")
 @click.option("--policy", type=click.Choice(["lpt", "sorted", "fifo"]), default="lpt", show_default=True,
               help="bulkgen's packing policy.")
 @click.option("--kv-admission/--no-kv-admission", default=True, show_default=True,
@@ -397,6 +397,7 @@ def bench(workload: Path | None, synthetic: int | None, limit: int | None, chat:
       bulkgen bench w256.parquet --dtype bfloat16 --compare bulkgen@float32,vllm --reference bulkgen@float32
       bulkgen bench --synthetic 32 --compare bulkgen@fifo,hf-static,bulkgen-store
       bulkgen bench w256.parquet --kv-cache-memory 360MiB --compare bulkgen@fifo@no-kv-admission
+      bulkgen bench w64.parquet --compare bulkgen@torch,vllm     # the C kernels against plain torch
     """
     from bulkgen.bench import workload as wl
     from bulkgen.bench.run import BenchOptions, format_table, parse_engines, plot, run_bench, write_json

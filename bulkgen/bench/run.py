@@ -119,10 +119,17 @@ def run_bench(workload: Workload, options: BenchOptions, log: Callable[[str], No
 
 
 def _machine() -> str:
-    """'CPU AVX2 + FMA, 2 cores': the kind of CPU the figures were measured on (they differ by kind)."""
+    """'CPU AVX2 + FMA, 2 cores': the kind of CPU the figures were measured on (they differ by kind), and
+    what the environment narrowed (kernels built for less than the CPU has, torch capped)."""
     from bulkgen.engine.cpu import describe_cpu
+    from bulkgen.engine.kernels import CFLAGS_ENV
 
-    return f"CPU {describe_cpu()}, {psutil.cpu_count()} cores"
+    text = f"CPU {describe_cpu()}, {psutil.cpu_count()} cores"
+    for variable, what in ((CFLAGS_ENV, "kernels built with"), ("ATEN_CPU_CAPABILITY", "torch capped at"),
+                           ("ONEDNN_MAX_CPU_ISA", "oneDNN capped at")):
+        if os.environ.get(variable):
+            text += f"; {what} {os.environ[variable]}"
+    return text
 
 
 def _command(name: str, options: BenchOptions) -> tuple[list[str] | None, dict[str, str]]:
