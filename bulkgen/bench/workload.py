@@ -77,3 +77,41 @@ def synthetic(num_requests: int, vocab_size: int, seed: int = 0) -> Workload:
         budgets.append(rng.randint(16, 256))
     return Workload(f"synthetic-{num_requests}-seed{seed}", [f"syn-{i:05d}" for i in range(num_requests)],
                     prompts, budgets)
+
+
+LICENSE_DIR = Path("/usr/share/common-licenses")
+TASKS = ("Summarize the following passage in plain words.",
+         "List the key obligations stated in this text.",
+         "Rewrite this passage for a ten-year-old.",
+         "Write three quiz questions about this text.")
+
+
+def make_workload(tokenizer, num_requests: int, out: Path, seed: int = 0) -> dict[str, int]:
+    """Write the benchmarks' reproducible workload as Parquet (the same file as the shared bench folder's
+    make_workload.py for the same model, N and seed): chat-formatted instructions over passages of the
+    license texts every Debian system has (16..1024 words, log-uniform), max_new_tokens uniform over
+    16..256. Columns: id, prompt, max_new_tokens, prompt_tokens. Returns its token counts."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    words: list[str] = []
+    for path in sorted(LICENSE_DIR.glob("*")):
+        if path.is_file():
+            words += path.read_text(encoding="utf-8", errors="ignore").split()
+    if not words:
+        raise InputError(f"no license texts in {LICENSE_DIR} to cut passages from (Debian's base-files has them)")
+    rng = random.Random(seed)
+    rows: dict[str, list] = {"id": [], "prompt": [], "max_new_tokens": [], "prompt_tokens": []}
+    for i in range(num_requests):
+        num_words = int(round(2 ** rng.uniform(4, 10)))
+        start = rng.randrange(0, len(words) - num_words)
+        instruction = f"{rng.choice(TASKS)}\n\n{' '.join(words[start:start + num_words])}"
+        text = tokenizer.apply_chat_template([{"role": "user", "content": instruction}], add_generation_prompt=True,
+                                             tokenize=False)
+        rows["id"].append(f"req-{i:05d}")
+        rows["prompt"].append(text)
+        rows["max_new_tokens"].append(rng.randint(16, 256))
+        rows["prompt_tokens"].append(len(tokenizer(text, add_special_tokens=False)["input_ids"]))
+    pq.write_table(pa.table(rows), out)
+    return {"num_requests": num_requests, "num_prompt_tokens": sum(rows["prompt_tokens"]),
+            "num_output_tokens": sum(rows["max_new_tokens"])}

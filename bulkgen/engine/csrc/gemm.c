@@ -5,8 +5,9 @@
  * Why our own: a decode step multiplies a few rows (the running sequences) by every weight of the
  * model, and those weights (540 MB for SmolLM2-135M) do not fit in any cache, so each step streams
  * them from memory. oneDNN's GEMM stalls on that stream for small batches: 26 ms a step for one row
- * here (21 GB/s) and 35 ms for 18 rows, against 11-17 ms and 26 ms for this kernel. From about a
- * hundred rows up both run at the CPU's float32 peak (~210 GFLOP/s on this 2-core machine).
+ * (21 GB/s) and 35 ms for 18 rows, against 11-17 ms and 26 ms for this kernel, on 2 cores of an AMD
+ * Zen 4. From about a hundred rows up both run near the CPU's float32 peak, and which is faster there
+ * depends on the CPU: the engine races both on each machine (cpu_paths.py).
  *
  * Layout: W [N, K] is packed once into panels of NR output columns, [ceil(N/NR)][K][NR] (the last
  * panel zero-padded), so a panel streams from memory in one sequential run. A tile of up to MR_MAX
