@@ -16,6 +16,33 @@ from bulkgen.config import Paths
 from bulkgen.errors import BulkgenError
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+JOB_ID_RULE = "a job id is a positive integer (see `bulkgen list`)"
+
+
+class JobIdType(click.ParamType):
+    name = "JOB_ID"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        text = str(value)
+        if not text.isdigit() or int(text) < 1:
+            self.fail(f"{JOB_ID_RULE}, got {text!r}", param, ctx)
+        return int(text)
+
+
+JOB_ID = JobIdType()
+
+
+class JobCommand(click.Command):
+    """A command taking job ids: `status -1` is a bad job id, not an unknown option `-1`."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except click.NoSuchOption as exc:
+            if exc.option_name.lstrip("-").isdigit():
+                raise click.BadParameter(f"{JOB_ID_RULE}, got {exc.option_name!r}", ctx=ctx,
+                                         param_hint="JOB_ID") from exc
+            raise
 
 
 class BulkgenGroup(click.Group):
@@ -155,8 +182,8 @@ def list_cmd(limit: int, as_json: bool, db_url: str) -> None:
                    f"{s['counts']['failed']:>7}  {s['created_at']:<20} {s['model']}")
 
 
-@cli.command(context_settings=CONTEXT)
-@click.argument("job_id", type=int)
+@cli.command(cls=JobCommand, context_settings=CONTEXT)
+@click.argument("job_id", type=JOB_ID)
 @json_option
 @db_option
 def status(job_id: int, as_json: bool, db_url: str) -> None:
@@ -250,8 +277,8 @@ def build_engine_config(options: dict[str, Any]):
     )
 
 
-@cli.command(context_settings=CONTEXT)
-@click.argument("job_ids", type=int, nargs=-1)
+@cli.command(cls=JobCommand, context_settings=CONTEXT)
+@click.argument("job_ids", type=JOB_ID, nargs=-1)
 @engine_options
 @click.option("--lease-seconds", type=float, default=60.0, show_default=True,
               help="A request's lease; a worker that stops heart-beating loses its requests after this.")
@@ -300,6 +327,7 @@ def run(job_ids: tuple[int, ...], as_json: bool, db_url: str, lease_seconds: flo
                             commit_interval_s=commit_interval, max_attempts=max_attempts,
                             drain_timeout_s=drain_timeout, packing=packing, kv_admission=kv_admission, wait=wait,
                             progress=progress and not as_json, log_every_s=log_every)
+    engine_config = build_engine_config(engine)  # a bad flag is refused before the database is touched
     store = open_db(db_url)
     if job_ids:
         from bulkgen.store import jobs as job_ops
@@ -307,15 +335,15 @@ def run(job_ids: tuple[int, ...], as_json: bool, db_url: str, lease_seconds: flo
         with store.session_scope() as session:
             for job_id in job_ids:
                 job_ops.get_job(session, job_id)
-    summary = Worker(store, build_engine_config(engine), options).run()
+    summary = Worker(store, engine_config, options).run()
     if as_json:
         emit_json(summary.to_dict())
     else:
         click.echo(summary.line(), err=True)
 
 
-@cli.command(context_settings=CONTEXT)
-@click.argument("job_id", type=int)
+@cli.command(cls=JobCommand, context_settings=CONTEXT)
+@click.argument("job_id", type=JOB_ID)
 @click.option("-o", "--output", "output", type=click.Path(path_type=Path), required=True,
               help="File to write: .parquet or .jsonl.")
 @click.option("--include-inputs/--no-include-inputs", default=True, show_default=True,
@@ -355,6 +383,8 @@ def export(job_id: int, output: Path, include_inputs: bool, input_path: Path | N
 @cli.command(context_settings=CONTEXT)
 @click.argument("workload", type=click.Path(path_type=Path), required=False)
 @click.option("--synthetic", type=int, help="Instead of a file: N synthetic requests (prompts 60..1400 tokens).")
+@click.option("--make-workload", "make_workload", type=int, metavar="N",
+              help="Write the benchmarks' workload of N requests to WORKLOAD (with --seed, for --model) and stop.")
 @click.option("--limit", type=int, help="Only the first N rows of the workload file.")
 @click.option("--chat", is_flag=True, help="The prompts are plain instructions: render them with the chat template.")
 @click.option("--max-new-tokens", type=int, default=128, show_default=True,
@@ -374,11 +404,12 @@ def export(job_id: int, output: Path, include_inputs: bool, input_path: Path | N
 @click.option("--json", "json_path", type=click.Path(path_type=Path), help="Write the results as JSON here.")
 @click.option("--plot", "plot_path", type=click.Path(path_type=Path),
               help="Write a PNG of bulkgen's tokens per step and KV use over time.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the synthetic workload.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of a synthetic or made workload.")
 @click.option("--reference", help="Engine (as named in the table) whose tokens the others are compared with "
                                   "(default: the first hf-* engine).")
 @engine_options
-def bench(workload: Path | None, synthetic: int | None, limit: int | None, chat: bool, max_new_tokens: int,
+def bench(workload: Path | None, synthetic: int | None, make_workload: int | None, limit: int | None, chat: bool,
+          max_new_tokens: int,
           model: str | None, compare: str, policy: str, kv_admission: bool, hf_batch_size: str,
           vllm_python: str | None, json_path: Path | None, plot_path: Path | None, seed: int, reference: str | None,
           **engine: Any) -> None:
@@ -391,7 +422,7 @@ def bench(workload: Path | None, synthetic: int | None, limit: int | None, chat:
 
     \b
     Example:
-      python ../shared/bench/make_workload.py MODEL_DIR 256 w256.parquet 0
+      bulkgen bench --make-workload 256 w256.parquet --seed 0    # the workload of BENCHMARKS.md
       bulkgen bench w256.parquet --compare hf-static-sorted,vllm --json w256.json --plot w256.png
       bulkgen bench w256.parquet --kv-cache-memory 368MiB --compare vllm
       bulkgen bench w256.parquet --dtype bfloat16 --compare bulkgen@float32,vllm --reference bulkgen@float32
@@ -405,8 +436,16 @@ def bench(workload: Path | None, synthetic: int | None, limit: int | None, chat:
 
     if (workload is None) == (synthetic is None):
         raise click.UsageError("give a workload file or --synthetic N (one of them)")
+    if make_workload is not None and (workload is None or make_workload < 1):
+        raise click.UsageError("--make-workload N needs N >= 1 and the file to write: bulkgen bench --make-workload "
+                               "256 w256.parquet")
     resolved = resolve_model(model or DEFAULT_MODEL, log=lambda m: click.echo(m, err=True))
     tokenizer = load_tokenizer(resolved.path)
+    if make_workload is not None:
+        counts = wl.make_workload(tokenizer, make_workload, workload, seed)
+        click.echo(f"wrote {workload}: {counts['num_requests']} requests, {counts['num_prompt_tokens']:,} prompt "
+                   f"tokens, {counts['num_output_tokens']:,} output tokens (seed {seed}, model {resolved.name})")
+        return
     if workload is not None:
         if not workload.is_file():
             raise click.BadParameter(f"{workload} does not exist", param_hint="WORKLOAD")
@@ -450,8 +489,8 @@ def bench(workload: Path | None, synthetic: int | None, limit: int | None, chat:
 # ---------------------------------------------------------------------------------------- cancel, retry
 
 
-@cli.command(context_settings=CONTEXT)
-@click.argument("job_id", type=int)
+@cli.command(cls=JobCommand, context_settings=CONTEXT)
+@click.argument("job_id", type=JOB_ID)
 @json_option
 @db_option
 def cancel(job_id: int, as_json: bool, db_url: str) -> None:
@@ -472,8 +511,8 @@ def cancel(job_id: int, as_json: bool, db_url: str) -> None:
         click.echo(f"job {job_id}: cancelled ({num_cancelled} requests not run)")
 
 
-@cli.command(context_settings=CONTEXT)
-@click.argument("job_id", type=int)
+@cli.command(cls=JobCommand, context_settings=CONTEXT)
+@click.argument("job_id", type=JOB_ID)
 @json_option
 @db_option
 def retry(job_id: int, as_json: bool, db_url: str) -> None:
@@ -519,11 +558,13 @@ def upgrade(db_url: str) -> None:
       bulkgen db upgrade
     """
     from bulkgen.store import migrate
-    from bulkgen.store.db import create_db_engine
+    from bulkgen.store.db import create_db_engine, opening
 
     engine = create_db_engine(db_url)
-    migrate.upgrade(engine)
-    click.echo(f"{_hide_password(db_url)}: at revision {migrate.current_revision(engine)}")
+    with opening(engine):
+        migrate.upgrade(engine)
+        revision = migrate.current_revision(engine)
+    click.echo(f"{_hide_password(db_url)}: at revision {revision}")
 
 
 @db.command(context_settings=CONTEXT)
@@ -537,9 +578,11 @@ def current(as_json: bool, db_url: str) -> None:
       bulkgen db current
     """
     from bulkgen.store import migrate
-    from bulkgen.store.db import create_db_engine
+    from bulkgen.store.db import create_db_engine, opening
 
-    revision = migrate.current_revision(create_db_engine(db_url))
+    engine = create_db_engine(db_url)
+    with opening(engine):
+        revision = migrate.current_revision(engine)
     head = migrate.head_revision()
     if as_json:
         emit_json({"url": _hide_password(db_url), "current": revision, "head": head})

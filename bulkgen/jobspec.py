@@ -6,6 +6,7 @@ the command line override the file. `input` is read relative to the job file.
 
 from __future__ import annotations
 
+import json
 import tomllib
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -18,6 +19,32 @@ from bulkgen.resolve import DEFAULT_MODEL
 
 SAMPLING_KEYS = {f.name for f in fields(SamplingParams)}
 DEFAULT_SEED = 0
+
+# What each job-file key must hold, as TOML gives it (a job file is checked as strictly as the flags are).
+_TEXT, _FLAG, _WHOLE, _NUMBER = "a string", "true or false", "an integer", "a number"
+_TEXTS, _WHOLES = "a string or a list of strings", "an integer or a list of integers"
+FILE_KEY_TYPES = {
+    "input": _TEXT, "model": _TEXT, "name": _TEXT, "prompt_column": _TEXT, "messages_column": _TEXT,
+    "id_column": _TEXT, "max_new_tokens_column": _TEXT, "system_prompt": _TEXT, "chat": _FLAG, "n": _WHOLE,
+    "add_special_tokens": _FLAG, "max_new_tokens": _WHOLE, "temperature": _NUMBER, "top_p": _NUMBER,
+    "top_k": _WHOLE, "min_p": _NUMBER, "repetition_penalty": _NUMBER, "stop": _TEXTS, "stop_token_ids": _WHOLES,
+    "ignore_eos": _FLAG, "seed": _WHOLE, "logprobs": _WHOLE,
+}
+
+
+def _is(value: Any, kind: str) -> bool:
+    whole = isinstance(value, int) and not isinstance(value, bool)
+    if kind == _TEXT:
+        return isinstance(value, str)
+    if kind == _FLAG:
+        return isinstance(value, bool)
+    if kind == _WHOLE:
+        return whole
+    if kind == _NUMBER:
+        return whole or isinstance(value, float)
+    if kind == _TEXTS:
+        return isinstance(value, str) or isinstance(value, list) and all(isinstance(v, str) for v in value)
+    return whole or isinstance(value, list) and all(_is(v, _WHOLE) for v in value)
 
 
 @dataclass(frozen=True)
@@ -110,8 +137,14 @@ def read_job_file(path: Path) -> dict[str, Any]:
             values.update({k.replace("-", "_"): v for k, v in value.items()})
         else:
             values[key.replace("-", "_")] = value
+    for key, value in values.items():
+        kind = FILE_KEY_TYPES.get(key)
+        if kind is not None and not _is(value, kind):
+            shown = json.dumps(value, default=str)  # as TOML writes it: true, "yes", ["a"]
+            raise ConfigError(f"job file {path}: {key} = {shown} must be {kind}")
     if "input" in values:
-        values["input"] = (path.parent / str(values["input"])).resolve()
-    if isinstance(values.get("stop"), str):
-        values["stop"] = [values["stop"]]
+        values["input"] = (path.parent / values["input"]).resolve()
+    for key in ("stop", "stop_token_ids"):
+        if key in values and not isinstance(values[key], list):
+            values[key] = [values[key]]
     return values

@@ -15,7 +15,7 @@ from typing import Any
 import pyarrow as pa
 
 from bulkgen.config import Paths
-from bulkgen.errors import ConfigError
+from bulkgen.errors import ConfigError, InputError
 from bulkgen.io.parquet_in import InputFile
 from bulkgen.jobspec import JobSpec
 from bulkgen.resolve import load_tokenizer, model_context_length, resolve_model
@@ -62,13 +62,17 @@ def submit_job(store: Store, spec: JobSpec, paths: Paths | None = None,
             input_fingerprint=source.fingerprint, input_columns=source.column_names, spec=spec.to_dict(),
         ).id
     num_rows = num_requests = num_failed = num_prompt_tokens = 0
+    first_error: tuple[int, str] | None = None
     try:
         pending: list[dict[str, Any]] = []
         for batch in source.batches():
             rows = renderer.requests(job_id, batch, first_row=num_rows)
             num_rows += batch.num_rows
             num_requests += len(rows)
-            num_failed += sum(r["state"] == RequestState.FAILED.value for r in rows)
+            failed = [r for r in rows if r["state"] == RequestState.FAILED.value]
+            num_failed += len(failed)
+            if failed and first_error is None:
+                first_error = failed[0]["row"], failed[0]["error"]
             num_prompt_tokens += sum(r["num_prompt_tokens"] for r in rows)
             pending.extend(rows)
             if len(pending) >= ROWS_PER_TRANSACTION:
@@ -77,6 +81,10 @@ def submit_job(store: Store, spec: JobSpec, paths: Paths | None = None,
                 pending = []
             if on_rows:
                 on_rows(batch.num_rows)
+        if num_requests and num_failed == num_requests:
+            row, error = first_error
+            raise InputError(f"no row of {source.path} can run: all {num_rows} rows are bad (row {row}: {error}); "
+                             "fix the input or the column flags (nothing was submitted)")
         with store.session_scope(write=True) as session:
             job_ops.insert_requests(session, pending)
             job_ops.open_job(session, job_id, num_requests)
@@ -119,7 +127,9 @@ class PromptRenderer:
             texts.append(text)
             errors.append(error)
         valid = [i for i, t in enumerate(texts) if t is not None]
-        encoded = self.tokenizer([texts[i] for i in valid], add_special_tokens=self.add_special_tokens)["input_ids"]
+        # (a batch may hold no valid row at all: the tokenizer fails on an empty list)
+        encoded = self.tokenizer([texts[i] for i in valid], add_special_tokens=self.add_special_tokens)["input_ids"] \
+            if valid else []
         token_ids: list[list[int] | None] = [None] * batch.num_rows
         for i, ids in zip(valid, encoded, strict=True):
             token_ids[i] = ids
@@ -152,8 +162,9 @@ class PromptRenderer:
             messages = columns[spec.messages_column][i]
             if not messages:
                 return None, "messages are null or empty"
-            if any(not isinstance(m, dict) or not m.get("role") or m.get("content") is None for m in messages):
-                return None, "every message needs a role and a content"
+            if any(not isinstance(m, dict) or not isinstance(m.get("role"), str) or not m["role"]
+                   or not isinstance(m.get("content"), (str, list)) for m in messages):
+                return None, "every message needs a role (a string) and a content (a string or a list of parts)"
             messages = [{"role": m["role"], "content": m["content"]} for m in messages]
         else:
             prompt = columns[spec.prompt_column][i]

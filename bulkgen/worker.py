@@ -18,14 +18,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import func, select
-
 from bulkgen.config import EngineConfig, SamplingParams
 from bulkgen.errors import ConfigError, PromptTooLongError
 from bulkgen.progress import Progress
 from bulkgen.store import Store
 from bulkgen.store import queue as q
-from bulkgen.store.models import Job, Request, RequestState, pack_ids, unpack_ids
+from bulkgen.store.models import Job, pack_ids, unpack_ids
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +149,9 @@ class Worker:
     def _serve(self, jobs: list[Job]) -> None:
         """Run the jobs of one model until none of their requests is pending (or a stop)."""
         engine = self._engine(jobs[0].model_path)
+        self._say_start(engine, jobs)
         preemptions_before = engine.stats.num_preemptions
+        generated = engine.stats.num_output_tokens
         params = {job.id: SamplingParams.from_dict(job.spec["sampling"]) for job in jobs}
         job_ids = [job.id for job in jobs]
         self.summary.job_ids.update(job_ids)
@@ -170,6 +170,9 @@ class Worker:
                     next_claim = now + self.options.poll_s  # nothing pending now; look again later
             if engine.has_unfinished():
                 self._collect(engine.step())
+                if self._progress is not None:
+                    self._progress.generated(engine.stats.num_output_tokens - generated)
+                generated = engine.stats.num_output_tokens
             elif self._stop_requested is None and now < next_claim:
                 break  # the engine is idle and the queue had nothing: these jobs are done
             if len(self._results) + len(self._failures) >= self.options.commit_rows or \
@@ -217,6 +220,8 @@ class Worker:
         with self.store.session_scope(write=True) as session:
             written, failed = q.commit_results(session, self.worker_id, results, failures)
             q.settle_jobs(session, job_ids)
+        budget = sum(self._inflight[i].max_new_tokens for i in
+                     [r["request_id"] for r in results] + [f[0] for f in failures] if i in self._inflight)
         for item in results:
             self._inflight.pop(item["request_id"], None)
         for request_id, _ in failures:
@@ -228,7 +233,7 @@ class Worker:
         self.summary.num_output_tokens += new_tokens
         self.summary.num_prompt_tokens += sum(r["num_prompt_tokens"] for r in results)
         if self._progress is not None:
-            self._progress.advance(written + failed, new_tokens)
+            self._progress.finished(written + failed, new_tokens, budget)
 
     def _abort_lost(self, engine: Any) -> None:
         """Stop working on requests this worker no longer holds (the job was cancelled, say)."""
@@ -281,11 +286,19 @@ class Worker:
         return self._engines[model_path]
 
     def _start_progress(self, session, job_ids: list[int]) -> None:
-        counts = dict(session.execute(select(Request.state, func.count()).where(Request.job_id.in_(job_ids))
-                                      .group_by(Request.state)).all())
-        total = sum(counts.values()) - counts.get(RequestState.CANCELLED.value, 0)
-        done = counts.get(RequestState.COMPLETED.value, 0) + counts.get(RequestState.FAILED.value, 0)
-        self._progress = Progress(total, done, enabled=self.options.progress, log_every_s=self.options.log_every_s)
+        totals = q.queue_totals(session, job_ids)
+        self._progress = Progress(totals.num_requests, totals.num_done, totals.budget_left,
+                                  enabled=self.options.progress, log_every_s=self.options.log_every_s)
+
+    def _say_start(self, engine: Any, jobs: list[Job]) -> None:
+        """The run's first line, as soon as the engine is up: what runs, how, and how much is queued."""
+        if self._progress is None:
+            return
+        with self.store.session_scope() as session:
+            totals = q.queue_totals(session, [job.id for job in jobs])
+        self._progress.say(f"bulkgen run: {engine.describe()} · jobs {', '.join(str(job.id) for job in jobs)}: "
+                           f"{totals.num_pending:,} requests queued, {totals.num_done:,} of {totals.num_requests:,} "
+                           "done")
 
     def _install_signal_handlers(self) -> Callable[[], None]:
         if threading.current_thread() is not threading.main_thread():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 import pytest
 
@@ -47,3 +49,32 @@ def test_unknown_command_is_a_usage_error() -> None:
 def test_missing_job_is_an_input_error(db_url: str) -> None:
     result = invoke("status", 42, expect=2)
     assert "no job 42" in result.output
+
+
+@pytest.mark.parametrize("command", ["status", "export", "cancel", "retry", "run"])
+def test_a_negative_job_id_is_a_bad_job_id(command: str, db_url: str) -> None:
+    result = invoke(command, "-1", expect=2)
+    assert "a job id is a positive integer (see `bulkgen list`), got '-1'" in result.output
+    assert "No such option" in invoke("status", "1", "--jsn", expect=2).output, "a mistyped option stays one"
+
+
+def _not_a_database(tmp_path: Path) -> str:
+    path = tmp_path / "notes.db"
+    path.write_text("these are my notes, not a database\n")
+    return f"sqlite:///{path}"
+
+
+BAD_DATABASES = [
+    ("a directory", lambda d: f"sqlite:///{d}", "is a directory: give a file, such as"),
+    ("not a database", _not_a_database, "file is not a database; give --db (or BULKGEN_DB) a bulkgen database"),
+    ("an unwritable place", lambda d: "sqlite:////proc/bulkgen.db", "unable to open database file"),
+    ("a malformed URL", lambda d: "garbage://::x", "cannot read database URL 'garbage://::x'"),
+]
+
+
+@pytest.mark.parametrize("case", BAD_DATABASES, ids=[c[0] for c in BAD_DATABASES])
+def test_a_bad_database_is_one_line_and_exit_2(case, tmp_path: Path) -> None:
+    _name, make_url, message = case
+    for command in (("list",), ("status", "1"), ("db", "current")):
+        result = invoke(*command, "--db", make_url(tmp_path), expect=2)
+        assert message in result.output and result.output.startswith("error: ") and result.output.count("\n") == 1

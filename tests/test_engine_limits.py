@@ -109,3 +109,15 @@ def test_a_kv_cache_larger_than_free_memory_is_refused(tiny_model_dir: Path) -> 
     too_big = psutil.virtual_memory().total * 2
     with pytest.raises(ConfigError, match="does not fit.*lower --kv-cache-memory"):
         Engine(tiny_model_dir, EngineConfig(kv_cache_memory=too_big))
+
+
+def test_an_output_cut_inside_a_character_drops_it(engine: Engine) -> None:
+    """Byte-level tokenizers split a multi-byte character over tokens: an output cut by its budget between
+    them decodes with a trailing U+FFFD, which is dropped (the token ids keep every byte)."""
+    from bulkgen.engine.detokenizer import drop_incomplete_character
+
+    ids = engine.tokenizer.encode("ok 😀", add_special_tokens=False)
+    cut = engine.tokenizer.decode(ids[:-1])
+    assert cut.endswith("\ufffd"), "the emoji spans more than one token"
+    assert drop_incomplete_character(cut) == "ok "
+    assert drop_incomplete_character(engine.tokenizer.decode(ids)) == "ok 😀"

@@ -122,6 +122,21 @@ BAD_INPUTS = [
     ("budget too big", lambda d: ("submit", _good(d), "--max-new-tokens", 5000), "leaves no room"),
     ("bad job file", lambda d: ("submit", _bad_toml(d)), "cannot read job file"),
     ("unknown job key", lambda d: ("submit", _unknown_key_toml(d)), "unknown job setting(s) ['colour']"),
+    ("job file: chat as text", lambda d: ("submit", _toml(d, 'chat = "yes"')), 'chat = "yes" must be true or false'),
+    ("job file: stop as a number", lambda d: ("submit", _toml(d, "stop = 5")),
+     "stop = 5 must be a string or a list of strings"),
+    ("job file: input as a number", lambda d: ("submit", _toml(d, "input = 5", with_input=False)),
+     "input = 5 must be a string"),
+    ("job file: column as a list", lambda d: ("submit", _toml(d, 'prompt_column = ["a"]')),
+     'prompt_column = ["a"] must be a string'),
+    ("job file: sampling key", lambda d: ("submit", _toml(d, '[sampling]\ntop_p = "high"')),
+     'top_p = "high" must be a number'),
+    ("no valid row", lambda d: ("submit", write_parquet(d / "nulls.parquet", pa.table(
+        {"prompt": pa.array([None] * 3000, pa.string())})), "--max-new-tokens", 8),
+     "can run: all 3000 rows are bad (row 0: prompt is null)"),
+    ("no valid message", lambda d: ("submit", write_parquet(d / "m.parquet", {"m": [[{"role": "user", "content": 5}]]}),
+                                    "--messages-column", "m", "--max-new-tokens", 8),
+     "content (a string or a list of parts)"),
 ]
 
 
@@ -159,11 +174,37 @@ def _bad_toml(d: Path) -> Path:
     return path
 
 
+def _toml(d: Path, body: str, with_input: bool = True) -> Path:
+    _good(d)
+    path = d / "job.toml"
+    path.write_text(('input = "good.parquet"\n' if with_input else "") + body + "\n")
+    return path
+
+
 def _unknown_key_toml(d: Path) -> Path:
     _good(d)
     path = d / "unknown.toml"
     path.write_text('input = "good.parquet"\ncolour = "blue"\n')
     return path
+
+
+def test_a_stretch_of_bad_rows_fails_alone(tmp_path: Path, db_url: str, tiny_short_model_dir: Path) -> None:
+    """A whole 2,048-row batch with no valid row (it used to crash the tokenizer) fails row by row, and the
+    rest of the file is submitted."""
+    prompts = [None] * 2048 + ["fine", "also fine"]
+    data = write_parquet(tmp_path / "stretch.parquet", pa.table({"prompt": pa.array(prompts, pa.string())}))
+    out = invoke_json("submit", data, "--model", tiny_short_model_dir, "--max-new-tokens", 8)
+    assert out["num_requests"] == 2050 and out["num_failed"] == 2048
+    assert [r.state for r in requests_of(db_url, out["job_id"])][-3:] == ["failed", "pending", "pending"]
+
+
+def test_categorical_prompts_are_text(tmp_path: Path, db_url: str, tiny_short_model_dir: Path) -> None:
+    """A dictionary-encoded string column (what pandas writes for a categorical) reads as its strings."""
+    column = pa.array(["tell me a joke", "a poem", "tell me a joke"]).dictionary_encode()
+    data = write_parquet(tmp_path / "cat.parquet", pa.table({"prompt": column}))
+    out = invoke_json("submit", data, "--model", tiny_short_model_dir, "--max-new-tokens", 8)
+    assert out["num_failed"] == 0
+    assert [r.prompt for r in requests_of(db_url, out["job_id"])] == column.to_pylist()
 
 
 def test_cancel_and_retry(tmp_path: Path, db_url: str, tiny_short_model_dir: Path) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 import subprocess
 from pathlib import Path
 
@@ -173,6 +175,28 @@ def test_export_checks_its_input(tmp_path: Path, db_url: str, tiny_model_dir: Pa
     invoke("export", job_id, "-o", tmp_path / "x.parquet", "--input", moved)
     assert pq.read_table(tmp_path / "x.parquet").column("key").to_pylist() == ["k0", "k1", "k2"]
     assert "name it .parquet or .jsonl" in invoke("export", job_id, "-o", tmp_path / "x.csv", expect=2).output
+
+
+def test_export_files_get_the_umask_mode_and_bad_places_are_refused(tmp_path: Path, db_url: str,
+                                                                    tiny_model_dir: Path) -> None:
+    job_id = submit(tmp_path, tiny_model_dir, PROMPTS[:2], "--max-new-tokens", 2)
+    old = os.umask(0o022)
+    try:
+        invoke("export", job_id, "-o", tmp_path / "shared.parquet")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "shared.parquet").stat().st_mode) == 0o644, "what a plain open() gives"
+    (tmp_path / "dir.parquet").mkdir()
+    cases = [(tmp_path / "missing" / "x.parquet", "does not exist; create it first"),
+             (tmp_path / "dir.parquet", "it is a directory"),
+             (Path("/proc/bulkgen-export.parquet"), "export to a directory you can write")]  # even root cannot
+    if os.geteuid() != 0:  # root writes anywhere
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o555)
+        cases.append((locked / "x.parquet", "export to a directory you can write"))
+    for out, message in cases:
+        result = invoke("export", job_id, "-o", out, expect=2)
+        assert message in result.output and result.output.count("\n") == 1, result.output
 
 
 def test_samples_export_in_row_then_sample_order(tmp_path: Path, db_url: str, tiny_model_dir: Path) -> None:

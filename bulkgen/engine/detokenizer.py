@@ -37,3 +37,9 @@ class IncrementalDetokenizer:
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def drop_incomplete_character(text: str) -> str:
+    """An output cut by its token budget may end inside a multi-byte character, which decodes as U+FFFD:
+    drop that incomplete character (the token ids keep every byte)."""
+    return text.rstrip("\ufffd")

@@ -11,10 +11,10 @@ from typing import Any
 
 import torch
 
-from bulkgen.config import EngineConfig, SamplingParams
+from bulkgen.config import EngineConfig, SamplingParams, format_size
 from bulkgen.engine import sampler
 from bulkgen.engine.block_manager import BlockManager
-from bulkgen.engine.detokenizer import IncrementalDetokenizer
+from bulkgen.engine.detokenizer import IncrementalDetokenizer, drop_incomplete_character
 from bulkgen.engine.runner import ModelRunner
 from bulkgen.engine.scheduler import Scheduler, SchedulerOutput
 from bulkgen.engine.sequence import Sequence, SequenceStatus
@@ -77,6 +77,14 @@ class Engine:
         self.eos_token_ids = _eos_ids(self.runner.model, self.tokenizer)
         self.stats = EngineStats()
         self._seqs: dict[Any, Sequence] = {}
+
+    def describe(self) -> str:
+        """One line: the model, dtype and device, each CPU kernel family's path, the KV cache."""
+        runner = self.runner
+        name = Path(str(runner.model.config._name_or_path)).name or type(runner.model).__name__
+        paths = f" · {runner.paths.short()}" if runner.device.type == "cpu" else ""
+        return (f"model {name} · {self.config.dtype} on {runner.device}{paths} · KV cache "
+                f"{format_size(runner.kv_cache_bytes)} ({runner.max_num_tokens:,} tokens)")
 
     def add(self, request_id: Any, prompt_token_ids: list[int], params: SamplingParams | None = None) -> None:
         """Queue a request. Raises PromptTooLongError if it cannot fit the model or the KV cache."""
@@ -203,6 +211,8 @@ class Engine:
             except Exception as exc:  # a tokenizer can fail on ids it does not know
                 text, error = "", f"could not decode the output tokens: {exc}"
                 seq.status = SequenceStatus.FINISHED_ERROR
+            if seq.status == SequenceStatus.FINISHED_LENGTH:
+                text = drop_incomplete_character(text)
         end = seq.finish_time or time.monotonic()
         return RequestOutput(
             request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids, output_token_ids=seq.output_token_ids,

@@ -64,9 +64,16 @@ def export_job(store: Store, job_id: int, out: Path, include_inputs: bool = True
         session.expunge(job)
     source = _open_input(job, input_path) if include_inputs else None
     out = out.expanduser().resolve()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    handle, tmp_name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+    if out.is_dir():
+        raise InputError(f"cannot export to {out}: it is a directory; give a file in it, such as {out / 'results.parquet'}")
+    if not out.parent.is_dir():
+        raise InputError(f"cannot export to {out}: the directory {out.parent} does not exist; create it first")
+    try:
+        handle, tmp_name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+    except OSError as exc:
+        raise InputError(f"cannot write in {out.parent} ({exc.strerror}): export to a directory you can write") from exc
     os.close(handle)
+    os.chmod(tmp_name, 0o666 & ~_umask())  # mkstemp makes it 0600; the export gets what open() would give
     writer = _ParquetSink(Path(tmp_name)) if fmt == "parquet" else _JsonlSink(Path(tmp_name))
     counts = {"rows": 0, "completed": 0, "failed": 0}
     try:
@@ -84,6 +91,12 @@ def export_job(store: Store, job_id: int, out: Path, include_inputs: bool = True
             os.unlink(tmp_name)
     partial = job.status in (JobStatus.SUBMITTING.value, JobStatus.QUEUED.value, JobStatus.RUNNING.value)
     return ExportReport(out, counts["rows"], counts["completed"], counts["failed"], partial)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _open_input(job: Job, override: Path | None) -> pq.ParquetFile:

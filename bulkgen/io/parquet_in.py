@@ -72,7 +72,7 @@ class InputFile:
                                  f"{', '.join(available)}")
         if self.columns.prompt is not None:
             kind = self.schema.field(self.columns.prompt).type
-            if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+            if not _is_text_type(kind):
                 raise InputError(f"column {self.columns.prompt!r} holds {kind}, not text: --prompt-column needs a "
                                  "string column (use --messages-column for chat messages)")
         if self.columns.messages is not None:
@@ -90,6 +90,13 @@ class InputFile:
             if pa.types.is_nested(kind):
                 raise InputError(f"column {self.columns.id!r} holds {kind}: --id-column needs a scalar column "
                                  "(string or integer)")
+
+
+def _is_text_type(kind: pa.DataType) -> bool:
+    """Strings, large strings, and dictionary-encoded strings (what pandas writes for a categorical)."""
+    if pa.types.is_dictionary(kind):
+        kind = kind.value_type
+    return pa.types.is_string(kind) or pa.types.is_large_string(kind)
 
 
 def _is_messages_type(kind: pa.DataType) -> bool:

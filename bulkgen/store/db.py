@@ -70,14 +70,30 @@ def open_store(url: str, upgrade: bool = True) -> Store:
     if upgrade:
         from bulkgen.store import migrate
 
-        migrate.ensure_head(engine)
+        with opening(engine):
+            migrate.ensure_head(engine)
     return store
+
+
+@contextmanager
+def opening(engine: Engine) -> Iterator[None]:
+    """First contact with a database: what fails here (not a database, not writable, unreachable) is the
+    --db setting's fault, said in one line."""
+    try:
+        yield
+    except BulkgenError:
+        raise
+    except (SQLAlchemyError, OSError) as exc:
+        reason = getattr(exc, "orig", None) or exc
+        raise ConfigError(f"cannot open the database {engine.url.render_as_string(hide_password=True)}: {reason}; "
+                          "give --db (or BULKGEN_DB) a bulkgen database, or a new file in a directory you can "
+                          "write") from exc
 
 
 def create_db_engine(url: str) -> Engine:
     try:
         parsed = make_url(url)
-    except ArgumentError as exc:
+    except (ArgumentError, ValueError) as exc:
         raise ConfigError(f"cannot read database URL {url!r}: use sqlite:///path/to/file.db "
                           "or postgresql+psycopg://user:pass@host/db") from exc
     if parsed.get_backend_name() == "sqlite":
@@ -92,6 +108,8 @@ def create_db_engine(url: str) -> Engine:
 def _sqlite_engine(url) -> Engine:
     if url.database and url.database != ":memory:":
         path = Path(url.database).expanduser()
+        if path.is_dir():
+            raise ConfigError(f"database {path} is a directory: give a file, such as {path / 'bulkgen.db'}")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:

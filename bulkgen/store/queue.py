@@ -179,6 +179,28 @@ def lost_requests(session: Session, worker_id: str, request_ids: list[int]) -> l
     return [i for i in request_ids if i not in held]
 
 
+@dataclass(frozen=True)
+class QueueTotals:
+    """Where the requests of some jobs stand (cancelled ones left out)."""
+
+    num_requests: int
+    num_done: int  # completed or failed
+    num_pending: int
+    budget_left: int  # max_new_tokens summed over the requests not done
+
+
+def queue_totals(session: Session, job_ids: list[int]) -> QueueTotals:
+    rows = session.execute(select(Request.state, func.count(), func.coalesce(func.sum(Request.max_new_tokens), 0))
+                           .where(Request.job_id.in_(job_ids), Request.state != RequestState.CANCELLED.value)
+                           .group_by(Request.state)).all()
+    counts = {state: (int(n), int(budget)) for state, n, budget in rows}
+    done = (RequestState.COMPLETED.value, RequestState.FAILED.value)
+    return QueueTotals(num_requests=sum(n for n, _ in counts.values()),
+                       num_done=sum(n for state, (n, _) in counts.items() if state in done),
+                       num_pending=counts.get(RequestState.PENDING.value, (0, 0))[0],
+                       budget_left=sum(b for state, (_, b) in counts.items() if state not in done))
+
+
 def settle_jobs(session: Session, job_ids: list[int]) -> None:
     """Jobs with no request left to run become completed (or failed, if nothing succeeded)."""
     for job in session.scalars(select(Job).where(Job.id.in_(job_ids), Job.status.in_(RUNNABLE_JOBS))):
