@@ -3,8 +3,10 @@ readable).
 
 Tokens are counted as the engine generates them, step by step, not when a request finishes: a run of
 long requests shows its true speed from the first minute. The ETA is the tokens still to generate over
-the rate of the last minute; the tokens still to generate are the unfinished requests' budgets, scaled
-by the share of its budget a finished request used so far (EOS ends most requests early).
+the rate of the last minute, the tokens still to generate being the unfinished requests' budgets less
+what they have generated. Where EOS or a stop string ends requests early that is an upper bound, shown as
+"<=" (scaling the budgets by the share finished requests used was tried: the first to finish are the
+short ones, and the estimate said 0s with a third of the run to go).
 """
 
 from __future__ import annotations
@@ -41,8 +43,14 @@ class Progress:
             self.bar = tqdm(total=total, initial=done, unit="req", file=self.stream, dynamic_ncols=True,
                             desc="bulkgen run")
 
+    def begin(self, text: str) -> None:
+        """Work starts now (the model is up): say what with, and time the rate from here."""
+        self.start = self.last_log = time.monotonic()
+        self._samples = deque([(self.start, self.num_output_tokens)])
+        self.say(text)
+
     def say(self, text: str) -> None:
-        """A line of its own (above the bar on a terminal), e.g. what the run starts with."""
+        """A line of its own (above the bar on a terminal)."""
         if not self.enabled:
             return
         if self.bar is not None:
@@ -78,27 +86,35 @@ class Progress:
 
     @property
     def eta_s(self) -> float | None:
+        """Seconds to generate the tokens still to generate at the last minute's rate (None: no rate yet,
+        or nothing left)."""
         rate = self.output_rate
         if rate <= 0 or self.done >= self.total:
             return None
-        share = self.finished_tokens / self.finished_budget if self.finished_budget else 1.0
         in_flight = self.num_output_tokens - self.finished_tokens
-        return max(0.0, self.budget_left * share - in_flight) / rate
+        return max(0.0, self.budget_left - in_flight) / rate
+
+    @property
+    def is_upper_bound(self) -> bool:
+        """Whether requests end before their budgets (then the ETA is an upper bound); assumed until one ends."""
+        return self.finished_budget == 0 or self.finished_tokens < self.finished_budget
+
+    def _eta_text(self) -> str:
+        eta = self.eta_s
+        if eta is None:
+            return "-"
+        return f"<={_duration(eta)}" if self.is_upper_bound else _duration(eta)
 
     def line(self) -> str:
         elapsed = time.monotonic() - self.start
-        eta = self.eta_s
         return (f"bulkgen run: {self.done}/{self.total} requests · {self.num_output_tokens:,} tokens generated · "
-                f"{self.output_rate:.1f} output tok/s · elapsed {_duration(elapsed)} · "
-                f"ETA {_duration(eta) if eta is not None else '-'}")
+                f"{self.output_rate:.1f} output tok/s · elapsed {_duration(elapsed)} · ETA {self._eta_text()}")
 
     def _show(self, now: float) -> None:
         if not self.enabled:
             return
         if self.bar is not None:
-            eta = self.eta_s
-            self.bar.set_postfix_str(f"{self.output_rate:.1f} out tok/s, ETA {_duration(eta) if eta else '-'}",
-                                     refresh=False)
+            self.bar.set_postfix_str(f"{self.output_rate:.1f} out tok/s, ETA {self._eta_text()}", refresh=False)
             if now - self.last_log >= 1.0:
                 self.last_log = now
                 self.bar.refresh()

@@ -296,7 +296,7 @@ class Worker:
             return
         with self.store.session_scope() as session:
             totals = q.queue_totals(session, [job.id for job in jobs])
-        self._progress.say(f"bulkgen run: {engine.describe()} · jobs {', '.join(str(job.id) for job in jobs)}: "
+        self._progress.begin(f"bulkgen run: {engine.describe()} · jobs {', '.join(str(job.id) for job in jobs)}: "
                            f"{totals.num_pending:,} requests queued, {totals.num_done:,} of {totals.num_requests:,} "
                            "done")
 

@@ -24,12 +24,17 @@ def test_tokens_count_as_generated_and_the_eta_follows_them() -> None:
     assert progress.output_rate > 0 and progress.eta_s is not None
     # 950 budget tokens left to go at the current rate
     assert abs(progress.eta_s - 950 / progress.output_rate) < 1e-6
-    # Two requests finish having used half of their budgets: the rest is expected to use half of theirs
-    progress.finished(2, 100, 200)
-    assert progress.budget_left == 800
-    expected = 800 * 0.5 - (50 - 100)
-    assert abs(progress.eta_s - max(0.0, expected) / progress.output_rate) < 1e-6
-    progress.finished(8, 0, 800)
+    assert "ETA <=" in progress.line(), "an upper bound until a request shows it uses its whole budget"
+    # Two requests finish having used their whole budgets: the budgets are what is left to generate
+    progress.generated(150)
+    progress.finished(2, 200, 200)
+    assert progress.budget_left == 800 and "ETA <=" not in progress.line()
+    assert abs(progress.eta_s - (800 - 0) / progress.output_rate) < 1e-6
+    # One ends early (EOS): from now on the ETA is an upper bound again
+    progress.generated(10)
+    progress.finished(1, 10, 100)
+    assert "ETA <=" in progress.line() and abs(progress.eta_s - 700 / progress.output_rate) < 1e-6
+    progress.finished(7, 0, 700)
     assert progress.eta_s is None and "10/10 requests" in progress.line()
 
 
