@@ -14,6 +14,7 @@ import click
 
 from bulkgen.config import Paths
 from bulkgen.errors import BulkgenError
+from bulkgen.packing import DEFAULT_POLICY, POLICIES
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 JOB_ID_RULE = "a job id is a positive integer (see `bulkgen list`)"
@@ -199,7 +200,7 @@ def status(job_id: int, as_json: bool, db_url: str) -> None:
     store = open_db(db_url)
     with store.session_scope() as session:
         summary = job_ops.describe_jobs(session, [job_ops.get_job(session, job_id)])[0]
-        errors = _first_errors(session, job_id) if not as_json else []
+        errors = job_ops.first_errors(session, job_id) if not as_json else []
     if as_json:
         emit_json(summary)
         return
@@ -216,44 +217,38 @@ def status(job_id: int, as_json: bool, db_url: str) -> None:
         click.echo(f"  failed row {row}" + (f" sample {sample}" if sample else "") + f": {error}")
 
 
-def _first_errors(session, job_id: int, limit: int = 5) -> list[tuple[int, int, str]]:
-    from sqlalchemy import select
-
-    from bulkgen.store.models import Request, RequestState
-
-    query = (select(Request.row, Request.sample, Request.error)
-             .where(Request.job_id == job_id, Request.state == RequestState.FAILED.value)
-             .order_by(Request.row, Request.sample).limit(limit))
-    return [tuple(r) for r in session.execute(query)]
-
-
 # ------------------------------------------------------------------------------------------ run, export
 
 
 def engine_options(func: Callable) -> Callable:
-    """Engine limits shared by `run` and `bench`."""
+    """Engine limits shared by `run` and `bench` (defaults: EngineConfig's own)."""
+    from bulkgen.config import ATTENTION_BACKENDS, DTYPES, EngineConfig
+
+    default = EngineConfig()
     options = [
-        click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32",
+        click.option("--dtype", type=click.Choice(DTYPES), default=default.dtype,
                      show_default=True, help="Weights, activations and KV cache."),
-        click.option("--device", default="auto", show_default=True, help="cpu, cuda, cuda:N or auto."),
+        click.option("--device", default=default.device, show_default=True, help="cpu, cuda, cuda:N or auto."),
         click.option("--kv-cache-memory", metavar="SIZE",
                      help="KV cache size, e.g. 2GiB (default: 4GiB or a quarter of free RAM on CPU; "
                           "--gpu-memory-utilization on a GPU)."),
-        click.option("--gpu-memory-utilization", type=float, default=0.9, show_default=True,
-                     help="Share of GPU memory for weights and KV cache."),
-        click.option("--max-num-seqs", type=int, default=256, show_default=True, help="Sequences running at once."),
-        click.option("--max-num-batched-tokens", type=int, default=1024, show_default=True,
+        click.option("--gpu-memory-utilization", type=float, default=default.gpu_memory_utilization,
+                     show_default=True, help="Share of GPU memory for weights and KV cache."),
+        click.option("--max-num-seqs", type=int, default=default.max_num_seqs, show_default=True,
+                     help="Sequences running at once."),
+        click.option("--max-num-batched-tokens", type=int, default=default.max_num_batched_tokens, show_default=True,
                      help="Tokens computed per engine step (the token budget)."),
         click.option("--max-model-len", type=int, help="Cap on prompt + output tokens (default: the model's)."),
-        click.option("--block-size", type=int, default=32, show_default=True, help="Tokens per KV block."),
-        click.option("--attention-backend", type=click.Choice(["auto", "kernel", "torch"]), default="auto",
+        click.option("--block-size", type=int, default=default.block_size, show_default=True,
+                     help="Tokens per KV block."),
+        click.option("--attention-backend", type=click.Choice(ATTENTION_BACKENDS), default=default.attention_backend,
                      show_default=True, help="kernel: bulkgen's C paged attention (CPU); torch: pure torch."),
-        click.option("--kernels", default="auto", envvar="BULKGEN_KERNELS", show_default=True, metavar="SPEC",
+        click.option("--kernels", default=default.kernels, envvar="BULKGEN_KERNELS", show_default=True, metavar="SPEC",
                      help="CPU path of each kernel family (linear, gated_mlp, decode_attention, prefill_attention, "
                           "small_ops): auto (the faster, measured once on this machine), c, torch, or pairs such "
                           "as linear=torch,attention=c. Also read from BULKGEN_KERNELS."),
         click.option("--num-threads", type=int, help="CPU threads for torch (default: all cores)."),
-        click.option("--prefix-caching/--no-prefix-caching", default=True, show_default=True,
+        click.option("--prefix-caching/--no-prefix-caching", default=default.enable_prefix_caching, show_default=True,
                      help="Share KV blocks of common prompt prefixes."),
     ]
     for option in reversed(options):
@@ -288,7 +283,7 @@ def build_engine_config(options: dict[str, Any]):
               help="A request abandoned by this many crashed workers fails instead of returning.")
 @click.option("--drain-timeout", type=float, default=30.0, show_default=True,
               help="On SIGINT/SIGTERM: seconds running requests may take to finish before being released.")
-@click.option("--packing", type=click.Choice(["lpt", "sorted", "fifo"]), default="lpt", show_default=True,
+@click.option("--packing", type=click.Choice(POLICIES), default=DEFAULT_POLICY, show_default=True,
               help="Admission order: lpt = most output tokens first; sorted = by prompt length; fifo = as submitted.")
 @click.option("--kv-admission/--no-kv-admission", default=True, show_default=True,
               help="Admit a request only if the KV cache can hold it to its end (avoids preemption).")
@@ -394,7 +389,7 @@ def export(job_id: int, output: Path, include_inputs: bool, input_path: Path | N
               help="Peers, comma-separated, each optionally @dtype (or, for bulkgen, @policy, "
                    "@no-kv-admission, or @torch / @c for its CPU kernel paths): bulkgen, bulkgen-store, hf-static, "
                    "hf-static-sorted, hf-cb, vllm. Peers not installed are skipped.")
-@click.option("--policy", type=click.Choice(["lpt", "sorted", "fifo"]), default="lpt", show_default=True,
+@click.option("--policy", type=click.Choice(POLICIES), default=DEFAULT_POLICY, show_default=True,
               help="bulkgen's packing policy.")
 @click.option("--kv-admission/--no-kv-admission", default=True, show_default=True,
               help="Admit only what the KV cache can hold to the end.")

@@ -38,13 +38,21 @@ construction, and the bench reports it for the static-batch peers.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from bulkgen.errors import ConfigError
 
-POLICIES = ("lpt", "sorted", "fifo")
+# Each policy's order as (field, descending) sort keys, ties kept in input order. The one definition:
+# `order` applies it to lists, the queue's claim (store/queue.py) as SQL ORDER BY.
+SORT_KEYS: dict[str, tuple[tuple[str, bool], ...]] = {
+    "lpt": (("max_new_tokens", True), ("num_prompt_tokens", True)),
+    "sorted": (("num_prompt_tokens", False),),
+    "fifo": (),
+}
+POLICIES = tuple(SORT_KEYS)
 DEFAULT_POLICY = "lpt"
 
 
@@ -56,13 +64,25 @@ class Packable(Protocol):
 def order(items: Seq[Any], policy: str = DEFAULT_POLICY,
           prompt_len=lambda it: it.num_prompt_tokens, max_new=lambda it: it.max_new_tokens) -> list[Any]:
     """Admission order of `items` under `policy` (stable: equal keys keep their input order)."""
-    if policy == "fifo":
-        return list(items)
-    if policy == "sorted":
-        return sorted(items, key=prompt_len)
-    if policy == "lpt":
-        return sorted(items, key=lambda it: (-max_new(it), -prompt_len(it)))
-    raise ConfigError(f"packing policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+    check_policy(policy)
+    fields = {"max_new_tokens": max_new, "num_prompt_tokens": prompt_len}
+    keys = SORT_KEYS[policy]
+    return sorted(items, key=lambda it: tuple(-fields[f](it) if desc else fields[f](it) for f, desc in keys))
+
+
+def check_policy(policy: str) -> None:
+    if policy not in SORT_KEYS:
+        raise ConfigError(f"packing policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+
+
+def admission_for(policy: str, kv_admission: bool = True) -> Callable[[int, int], KVAdmission] | None:
+    """What the engine takes at construction to admit by: None (blocks free now, as vLLM does), or the
+    projected-peak KV admission, built once the engine knows its cache (num_blocks, block_size); spreading
+    ends under lpt."""
+    check_policy(policy)
+    if not kv_admission:
+        return None
+    return lambda num_blocks, block_size: KVAdmission(num_blocks, block_size, spread_ends=policy == "lpt")
 
 
 @dataclass

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from bulkgen.config import Paths
 from bulkgen.errors import ModelError
@@ -86,12 +87,16 @@ def model_context_length(model_dir: Path) -> int:
     """The longest sequence (prompt + output) the model was trained for."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(model_dir)
+    return context_length(AutoConfig.from_pretrained(model_dir), str(model_dir))
+
+
+def context_length(config: Any, name: str) -> int:
+    """The context length a Hugging Face config states (submit and the engine both ask here, so they agree)."""
     for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
         value = getattr(config, key, None)
         if isinstance(value, int) and value > 0:
             return value
-    raise ModelError(f"cannot tell the context length of {model_dir}: its config has no max_position_embeddings")
+    raise ModelError(f"cannot tell the context length of {name}: its config has no max_position_embeddings")
 
 
 def load_tokenizer(model_dir: Path):

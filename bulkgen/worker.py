@@ -1,31 +1,43 @@
-"""The worker: the only module that joins the store and the engine.
+"""The worker: the only module that joins the store and the engine. Its loop reads as
+claim -> add -> step -> write:
 
-It claims pending requests under a lease, keeps the engine fed, and commits finished results in
-small transactions (every `commit_rows` results or `commit_interval_s` seconds, whichever is first),
-so a crash loses at most what was generated since the last commit and never a committed row.
+- claim: lease pending requests of the runnable jobs, as many as the engine can run soon and no more
+  than a fair share among live workers (`claim_target`), in the packer's order;
+- add: hand them to the engine (a prompt too long for this run's context fails at once);
+- step: one engine step;
+- write: finished outputs become result rows, committed in small transactions (writer.py), so a crash
+  loses at most what was generated since the last commit and never a committed row.
+
+The lease and its heartbeat, and the signals that drain a run, live in lease.py.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import signal
 import socket
-import threading
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bulkgen.config import EngineConfig, SamplingParams
-from bulkgen.errors import ConfigError, PromptTooLongError
+from bulkgen.errors import ConfigError, PromptTooLongError, StoreError
+from bulkgen.lease import Heartbeat, on_stop_signals
+from bulkgen.packing import check_policy
 from bulkgen.progress import Progress
 from bulkgen.store import Store
 from bulkgen.store import queue as q
-from bulkgen.store.models import Job, pack_ids, unpack_ids
+from bulkgen.store.models import Job, unpack_ids
+from bulkgen.writer import Flushed, ResultWriter
+
+if TYPE_CHECKING:
+    from bulkgen.engine.protocol import EngineProtocol
 
 log = logging.getLogger(__name__)
+
+SIZING_INTERVAL_S = 1.0  # how often the claim target is recomputed from the queue
 
 
 @dataclass(frozen=True)
@@ -46,8 +58,7 @@ class WorkerOptions:
     def __post_init__(self) -> None:
         if self.lease_s <= 0 or self.commit_rows < 1 or self.commit_interval_s <= 0 or self.max_attempts < 1:
             raise ConfigError("lease, commit interval and commit rows must be positive, max attempts >= 1")
-        if self.packing not in q.CLAIM_ORDERS:
-            raise ConfigError(f"packing policy must be one of {', '.join(q.CLAIM_ORDERS)}")
+        check_policy(self.packing)
 
 
 @dataclass
@@ -80,21 +91,18 @@ class RunSummary:
 
 class Worker:
     def __init__(self, store: Store, engine_config: EngineConfig, options: WorkerOptions | None = None,
-                 engine_factory: Callable[[str, EngineConfig], Any] | None = None) -> None:
+                 engine_factory: Callable[[str, EngineConfig], EngineProtocol] | None = None) -> None:
         self.store = store
         self.engine_config = engine_config
         self.options = options or WorkerOptions()
         self.worker_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.summary = RunSummary(self.worker_id)
         self._engine_factory = engine_factory or (lambda path, config: _default_engine(
-            path, config, self.options.kv_admission, spread_ends=self.options.packing == "lpt"))
-        self._engines: dict[str, Any] = {}
+            path, config, self.options.kv_admission, self.options.packing))
+        self._engines: dict[str, EngineProtocol] = {}
         self._stop_requested: str | None = None
         self._stop_time = 0.0
-        self._inflight: dict[int, q.ClaimedRequest] = {}
-        self._results: list[dict[str, Any]] = []
-        self._failures: list[tuple[int, str]] = []
-        self._last_commit = time.monotonic()
+        self.writer = ResultWriter(store, self.worker_id, self.options.commit_rows, self.options.commit_interval_s)
         self._progress: Progress | None = None
 
     # ------------------------------------------------------------------ the run
@@ -103,10 +111,10 @@ class Worker:
         start = time.monotonic()
         with self.store.session_scope(write=True) as session:
             q.register_worker(session, self.worker_id)
-        heartbeat = _Heartbeat(self.store, self.worker_id, self.options.lease_s)
+        heartbeat = Heartbeat(self.store, self.worker_id, self.options.lease_s)
         heartbeat.start()
-        restore = self._install_signal_handlers()
-        failed = True
+        restore = on_stop_signals(self.stop, lambda: self._stop_requested is not None, self.options.drain_timeout_s)
+        error: BaseException | None = None
         try:
             while self._stop_requested is None:
                 jobs = self._runnable_jobs()
@@ -117,11 +125,13 @@ class Worker:
                     continue
                 model_path = jobs[0].model_path
                 self._serve([job for job in jobs if job.model_path == model_path])
-            failed = False
+        except BaseException as exc:
+            error = exc
+            raise
         finally:
             heartbeat.stop()
             restore()
-            self._shutdown(failed)
+            self._shutdown(error)
             self.summary.seconds = time.monotonic() - start
             if self._progress is not None:
                 self._progress.close()
@@ -143,20 +153,20 @@ class Worker:
                 q.settle_jobs(session, [job.id for job in jobs])
                 jobs = q.runnable_jobs(session, list(self.options.job_ids))
             if jobs and self._progress is None:
-                self._start_progress(session, [job.id for job in jobs])
+                totals = q.queue_totals(session, [job.id for job in jobs])
+                self._progress = Progress(totals.num_requests, totals.num_done, totals.budget_left,
+                                          enabled=self.options.progress, log_every_s=self.options.log_every_s)
         return jobs
 
     def _serve(self, jobs: list[Job]) -> None:
         """Run the jobs of one model until none of their requests is pending (or a stop)."""
         engine = self._engine(jobs[0].model_path)
         self._say_start(engine, jobs)
-        preemptions_before = engine.stats.num_preemptions
-        generated = engine.stats.num_output_tokens
+        preemptions_before, generated = engine.stats.num_preemptions, engine.stats.num_output_tokens
         params = {job.id: SamplingParams.from_dict(job.spec["sampling"]) for job in jobs}
         job_ids = [job.id for job in jobs]
         self.summary.job_ids.update(job_ids)
-        target = self.engine_config.max_num_seqs + max(16, self.engine_config.max_num_seqs // 2)
-        next_claim = 0.0
+        target, next_sizing, next_claim = 0, 0.0, 0.0
         next_check = time.monotonic() + self.options.lease_s / 4
         while True:
             now = time.monotonic()
@@ -164,194 +174,122 @@ class Worker:
                 self._drain(engine)
                 if not engine.has_unfinished():
                     break
-            elif len(self._inflight) < target and now >= next_claim:
-                claimed = self._claim(engine, job_ids, params, target - len(self._inflight))
-                if not claimed:
-                    next_claim = now + self.options.poll_s  # nothing pending now; look again later
+            elif now >= next_claim:
+                if now >= next_sizing:
+                    target, next_sizing = self._claim_target(engine, job_ids), now + SIZING_INTERVAL_S
+                if self.writer.num_held >= target and not engine.has_unfinished():
+                    self._write(job_ids)  # all it holds has finished: commit to make room
+                if self.writer.num_held < target and not self._claim(engine, job_ids, params,
+                                                                     target - self.writer.num_held):
+                    next_claim = next_sizing = now + self.options.poll_s  # nothing pending; look again later
             if engine.has_unfinished():
-                self._collect(engine.step())
+                self.writer.collect(engine.step())
                 if self._progress is not None:
                     self._progress.generated(engine.stats.num_output_tokens - generated)
                 generated = engine.stats.num_output_tokens
             elif self._stop_requested is None and now < next_claim:
                 break  # the engine is idle and the queue had nothing: these jobs are done
-            if len(self._results) + len(self._failures) >= self.options.commit_rows or \
-                    time.monotonic() - self._last_commit >= self.options.commit_interval_s:
-                self._commit(job_ids)
+            if self.writer.is_due():
+                self._write(job_ids)
             if time.monotonic() >= next_check:
                 next_check = time.monotonic() + self.options.lease_s / 4
-                self._abort_lost(engine)
-        self._commit(job_ids)
+                for request_id in self.writer.lost():  # cancelled, or its lease expired
+                    engine.abort(request_id)
+        self._write(job_ids)
         self.summary.num_preemptions += engine.stats.num_preemptions - preemptions_before
 
-    def _claim(self, engine: Any, job_ids: list[int], params: dict[int, SamplingParams], limit: int) -> int:
+    def _claim_target(self, engine: EngineProtocol, job_ids: list[int]) -> int:
+        """How many requests to hold: what the engine can run at once (its KV cache over the pending
+        requests' mean length, at most max_num_seqs) and a quarter more waiting, so the batch never runs
+        dry; but no more than a fair share of what is left among the live workers, so that a second worker
+        (or eight) shares even a small job."""
+        with self.store.session_scope() as session:
+            shape = q.queue_shape(session, job_ids, self.options.lease_s)
+        return claim_target(self.engine_config.max_num_seqs, engine.max_num_tokens, shape)
+
+    def _claim(self, engine: EngineProtocol, job_ids: list[int], params: dict[int, SamplingParams],
+               limit: int) -> int:
         with self.store.session_scope(write=True) as session:
             claimed = q.claim(session, self.worker_id, job_ids, limit, self.options.lease_s, self.options.packing)
+        self.writer.hold(claimed)
         for request in claimed:
-            self._inflight[request.id] = request
             sampling = params[request.job_id].replace(max_new_tokens=request.max_new_tokens, seed=request.seed)
             try:
                 engine.add(request.id, unpack_ids(request.prompt_token_ids), sampling)
             except PromptTooLongError as exc:
-                self._failures.append((request.id, str(exc)))
+                self.writer.fail(request.id, str(exc))
         return len(claimed)
 
-    def _collect(self, outputs: list[Any]) -> None:
-        for out in outputs:
-            request = self._inflight.get(out.request_id)
-            if request is None:
-                continue
-            if out.finish_reason == "error":
-                self._failures.append((request.id, out.error or "generation failed"))
-            elif out.finish_reason != "abort":
-                self._results.append({
-                    "request_id": request.id, "job_id": request.job_id, "text": out.text,
-                    "token_ids": pack_ids(out.output_token_ids), "finish_reason": out.finish_reason,
-                    "num_prompt_tokens": len(out.prompt_token_ids), "num_output_tokens": len(out.output_token_ids),
-                    "num_cached_tokens": out.num_cached_tokens, "logprobs": out.logprobs,
-                    "time_to_first_token_s": out.time_to_first_token_s, "latency_s": out.latency_s,
-                })
+    def _write(self, job_ids: list[int]) -> None:
+        flushed = self.writer.commit(job_ids)
+        self._count(flushed)
 
-    def _commit(self, job_ids: list[int]) -> None:
-        self._last_commit = time.monotonic()
-        if not self._results and not self._failures:
-            return
-        results, failures = self._results, self._failures
-        with self.store.session_scope(write=True) as session:
-            written, failed = q.commit_results(session, self.worker_id, results, failures)
-            q.settle_jobs(session, job_ids)
-        budget = sum(self._inflight[i].max_new_tokens for i in
-                     [r["request_id"] for r in results] + [f[0] for f in failures] if i in self._inflight)
-        for item in results:
-            self._inflight.pop(item["request_id"], None)
-        for request_id, _ in failures:
-            self._inflight.pop(request_id, None)
-        self._results, self._failures = [], []
-        new_tokens = sum(r["num_output_tokens"] for r in results)
-        self.summary.num_completed += written
-        self.summary.num_failed += failed
-        self.summary.num_output_tokens += new_tokens
-        self.summary.num_prompt_tokens += sum(r["num_prompt_tokens"] for r in results)
-        if self._progress is not None:
-            self._progress.finished(written + failed, new_tokens, budget)
+    def _count(self, flushed: Flushed) -> None:
+        self.summary.num_completed += flushed.num_completed
+        self.summary.num_failed += flushed.num_failed
+        self.summary.num_output_tokens += flushed.num_output_tokens
+        self.summary.num_prompt_tokens += flushed.num_prompt_tokens
+        if self._progress is not None and flushed.num_completed + flushed.num_failed:
+            self._progress.finished(flushed.num_completed + flushed.num_failed, flushed.num_output_tokens,
+                                    flushed.budget)
 
-    def _abort_lost(self, engine: Any) -> None:
-        """Stop working on requests this worker no longer holds (the job was cancelled, say)."""
-        with self.store.session_scope() as session:
-            lost = q.lost_requests(session, self.worker_id, list(self._inflight))
-        for request_id in lost:
-            engine.abort(request_id)
-            self._inflight.pop(request_id, None)
-        if lost:
-            lost_set = set(lost)
-            self._results = [r for r in self._results if r["request_id"] not in lost_set]
-            self._failures = [f for f in self._failures if f[0] not in lost_set]
-
-    def _drain(self, engine: Any) -> None:
+    def _drain(self, engine: EngineProtocol) -> None:
         """Stopping: give back what has not started; let the rest finish until the drain timeout."""
         aborted = engine.abort_waiting()
         if time.monotonic() - self._stop_time > self.options.drain_timeout_s:
-            aborted += [engine.abort(request_id) for request_id in list(self._inflight)
-                        if request_id in getattr(engine, "_seqs", {})]
-        ids = [out.request_id for out in aborted if out is not None]
-        if ids:
-            with self.store.session_scope(write=True) as session:
-                self.summary.num_released += q.release(session, self.worker_id, ids)
-            for request_id in ids:
-                self._inflight.pop(request_id, None)
+            aborted += [engine.abort(request_id) for request_id in list(self.writer.held)]
+        self.summary.num_released += self.writer.give_back([out.request_id for out in aborted if out is not None])
 
-    def _shutdown(self, failed: bool) -> None:
-        """Commit what is finished; give back (or, after a crash, expire) the rest of our leases."""
+    def _shutdown(self, error: BaseException | None) -> None:
+        """Commit what is finished; give back the rest of our leases (after an engine error, expire them:
+        those attempts count, as after a crash). After a database failure, what was not committed is lost
+        (never half-written) and the leases are given back if the database still takes that."""
+        store_failed = isinstance(error, StoreError)
         try:
-            if self._results or self._failures:
-                self._commit(list(self.summary.job_ids))
-            with self.store.session_scope(write=True) as session:
-                leftover = list(self._inflight)
-                if failed:  # an engine error: these attempts count, as after a crash
+            if not store_failed and self.writer.has_rows:
+                self._write(list(self.summary.job_ids))
+            if error is not None and not store_failed:
+                with self.store.session_scope(write=True) as session:
                     q.reclaim_expired(session, self.options.max_attempts, [self.worker_id])
-                else:
-                    self.summary.num_released += q.release(session, self.worker_id, leftover)
+            else:
+                self.summary.num_released += self.writer.give_back(list(self.writer.held))
+            with self.store.session_scope(write=True) as session:
                 q.stop_worker(session, self.worker_id, self.summary.num_completed, self.summary.num_output_tokens)
-        except Exception:  # never hide the original error behind a shutdown one
-            if not failed:
+        except Exception as exc:  # never hide the original error behind a shutdown one
+            if error is None:
                 raise
-            log.exception("bulkgen: could not release leases while stopping; they will expire")
+            log.warning("bulkgen: could not give back this worker's requests while stopping (%s); they return to "
+                        "the queue when their leases expire", exc)
 
     # ------------------------------------------------------------------ helpers
 
-    def _engine(self, model_path: str) -> Any:
+    def _engine(self, model_path: str) -> EngineProtocol:
         if model_path not in self._engines:
             self._engines.clear()  # one model in memory at a time
             self._engines[model_path] = self._engine_factory(model_path, self.engine_config)
         return self._engines[model_path]
 
-    def _start_progress(self, session, job_ids: list[int]) -> None:
-        totals = q.queue_totals(session, job_ids)
-        self._progress = Progress(totals.num_requests, totals.num_done, totals.budget_left,
-                                  enabled=self.options.progress, log_every_s=self.options.log_every_s)
-
-    def _say_start(self, engine: Any, jobs: list[Job]) -> None:
+    def _say_start(self, engine: EngineProtocol, jobs: list[Job]) -> None:
         """The run's first line, as soon as the engine is up: what runs, how, and how much is queued."""
         if self._progress is None:
             return
         with self.store.session_scope() as session:
             totals = q.queue_totals(session, [job.id for job in jobs])
         self._progress.begin(f"bulkgen run: {engine.describe()} · jobs {', '.join(str(job.id) for job in jobs)}: "
-                           f"{totals.num_pending:,} requests queued, {totals.num_done:,} of {totals.num_requests:,} "
-                           "done")
-
-    def _install_signal_handlers(self) -> Callable[[], None]:
-        if threading.current_thread() is not threading.main_thread():
-            return lambda: None
-
-        def handle(signum: int, _frame: Any) -> None:
-            if self._stop_requested is not None and signum == signal.SIGINT:
-                os._exit(130)  # a second Ctrl-C: now; our leases expire as after a crash
-            name = signal.Signals(signum).name
-            self.stop(name)
-            log.warning("bulkgen: %s: finishing running requests (up to %.0fs), then stopping; "
-                        "Ctrl-C again to stop at once", name, self.options.drain_timeout_s)
-
-        previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGINT, signal.SIGTERM)}
-
-        def restore() -> None:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-
-        return restore
+                             f"{totals.num_pending:,} requests queued, {totals.num_done:,} of "
+                             f"{totals.num_requests:,} done")
 
 
-class _Heartbeat(threading.Thread):
-    """Renews this worker's leases while the main thread computes (a step may take a while)."""
-
-    def __init__(self, store: Store, worker_id: str, lease_s: float) -> None:
-        super().__init__(name="bulkgen-heartbeat", daemon=True)
-        self.store = store
-        self.worker_id = worker_id
-        self.lease_s = lease_s
-        self._stopped = threading.Event()
-
-    def run(self) -> None:
-        while not self._stopped.wait(self.lease_s / 4):
-            try:
-                with self.store.session_scope(write=True) as session:
-                    q.heartbeat(session, self.worker_id, self.lease_s)
-            except Exception as exc:  # keep trying: the database may be briefly unreachable
-                log.warning("bulkgen: heartbeat failed: %s", exc)
-
-    def stop(self) -> None:
-        self._stopped.set()
-        self.join(timeout=5)
+def claim_target(max_num_seqs: int, kv_tokens: int, shape: q.QueueShape) -> int:
+    """Requests a worker should hold (see Worker._claim_target)."""
+    running_capacity = min(max_num_seqs, max(1, int(kv_tokens / max(shape.mean_tokens, 1.0))))
+    fair_share = -(-(shape.num_pending + shape.num_running) // max(shape.num_live_workers, 1))
+    return max(1, min(running_capacity + running_capacity // 4 + 1, fair_share))
 
 
 def _default_engine(model_path: str, config: EngineConfig, kv_admission: bool = True,
-                    spread_ends: bool = True) -> Any:
+                    policy: str = "lpt") -> EngineProtocol:
     from bulkgen.engine.engine import Engine
+    from bulkgen.packing import admission_for
 
-    engine = Engine(model_path, config)
-    if kv_admission:
-        from bulkgen.packing import KVAdmission
-
-        engine.scheduler.admission = KVAdmission(engine.block_manager.num_blocks, engine.block_manager.block_size,
-                                                 spread_ends=spread_ends)
-    return engine
+    return Engine(model_path, config, admission=admission_for(policy, kv_admission))

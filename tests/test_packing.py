@@ -12,7 +12,7 @@ from bulkgen.engine.block_manager import BlockManager
 from bulkgen.engine.scheduler import Scheduler
 from bulkgen.engine.sequence import Sequence
 from bulkgen.errors import ConfigError
-from bulkgen.packing import KVAdmission, order, peak_blocks
+from bulkgen.packing import KVAdmission, admission_for, order, peak_blocks
 
 
 @dataclass
@@ -119,10 +119,9 @@ def test_packing_removes_preemption_under_a_tight_cache(tiny_model_dir) -> None:
     params = [SamplingParams(max_new_tokens=rng.randint(8, 80), ignore_eos=True) for _ in prompts]
     results = {}
     for admission in (False, True, "spread"):
-        engine = Engine(tiny_model_dir, EngineConfig(kv_cache_memory=600 * 512, block_size=8, max_num_seqs=32))
-        if admission:
-            engine.scheduler.admission = KVAdmission(engine.block_manager.num_blocks, 8,
-                                                     spread_ends=admission == "spread")
+        engine = Engine(tiny_model_dir, EngineConfig(kv_cache_memory=600 * 512, block_size=8, max_num_seqs=32),
+                        admission=admission_for("lpt" if admission == "spread" else "fifo", bool(admission)))
+        assert (engine.scheduler.admission is not None) == bool(admission)
         outs = {o.request_id: o.output_token_ids for o in engine.generate(prompts, params)}
         results[admission] = (engine.stats.num_preemptions, outs)
     assert results[False][0] > 0 and results[True][0] == 0 and results["spread"][0] == 0

@@ -19,8 +19,8 @@ def seq(request_id: int, n: int) -> Sequence:
 def run(sched: Scheduler, sampled_token: int = 7) -> list[tuple[int, int]]:
     """One step as the engine runs it, without a model: returns [(request_id, num_new_tokens)]."""
     out = sched.schedule()
+    sched.update(out)
     for s in out.scheduled:
-        s.seq.num_computed_tokens += s.num_new_tokens
         if s.seq.num_computed_tokens == s.seq.num_tokens:
             s.seq.append_token(sampled_token)
     return [(s.seq.request_id, s.num_new_tokens) for s in out.scheduled]
@@ -79,8 +79,8 @@ def test_a_sequence_preempts_itself_when_it_is_the_last() -> None:
     run(sched)
     out = sched.schedule()  # a needs a block: b is preempted; then there is one for a
     assert [s.seq for s in out.scheduled] == [a] and out.preempted == [b]
+    sched.update(out)
     for s in out.scheduled:
-        s.seq.num_computed_tokens += 1
         s.seq.append_token(7)
     # a needs yet another block (9 tokens in 2 blocks of 4): nobody else runs, so a preempts itself.
     a.token_ids += [8, 8, 8]
@@ -100,8 +100,8 @@ def test_recompute_after_preemption_uses_the_prefix_cache() -> None:
         sched.block_manager.cache_full_blocks(s)
     out = sched.schedule()  # a needs a 3rd block for its 9th token: b is preempted
     assert out.preempted == [b]
+    sched.update(out)
     for s in out.scheduled:
-        s.seq.num_computed_tokens += s.num_new_tokens
         s.seq.append_token(9)
     sched.finish(a, SequenceStatus.FINISHED_LENGTH)
     out = sched.schedule()  # b comes back: its first full block is still cached

@@ -11,7 +11,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from bulkgen.config import EngineConfig
 from bulkgen.store import open_store
@@ -226,3 +226,34 @@ def test_bad_worker_options(bad: dict) -> None:
 
     with pytest.raises(ConfigError):
         WorkerOptions(**bad)
+
+
+def test_claims_are_sized_to_running_capacity_and_a_fair_share() -> None:
+    from bulkgen.worker import claim_target
+
+    shape = q.QueueShape(num_pending=10_000, num_running=0, mean_tokens=400.0, num_live_workers=1)
+    assert claim_target(256, 8192, shape) == 20 + 5 + 1, "the KV cache runs ~20 such requests at once"
+    assert claim_target(16, 10**6, shape) == 16 + 4 + 1, "max_num_seqs caps what runs at once"
+    small = q.QueueShape(num_pending=40, num_running=0, mean_tokens=60.0, num_live_workers=2)
+    assert claim_target(256, 10**6, small) == 20, "two live workers: half of a small job each"
+    later = q.QueueShape(num_pending=20, num_running=20, mean_tokens=60.0, num_live_workers=2)
+    assert claim_target(256, 10**6, later) == 20
+    assert claim_target(256, 10**6, q.QueueShape(0, 0, 0.0, 0)) == 1
+
+
+def test_two_workers_share_a_small_job(tmp_path: Path, db_url: str, tiny_model_dir: Path) -> None:
+    """Two workers start on one 40-request job, which either could run at once: each takes its share."""
+    import threading
+
+    job_id = submit(tmp_path, tiny_model_dir, PROMPTS, "--max-new-tokens", 24)
+    summaries: list[dict] = []
+    threads = [threading.Thread(target=lambda: summaries.append(run_worker(db_url))) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert sorted(s["completed"] for s in summaries) == [20, 20], summaries
+    assert invoke_json("status", job_id)["counts"]["completed"] == 40
+    store = open_store(db_url)
+    with store.session_scope() as session:
+        assert session.scalar(select(func.max(Request.attempts))) == 1, "nobody claimed a request twice"

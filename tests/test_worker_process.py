@@ -156,3 +156,25 @@ def test_cancel_during_a_run_stops_the_worker_taking_its_requests(tmp_path: Path
     with open_store(db).session_scope() as session:  # no result landed on a cancelled request
         assert session.scalar(select(func.count()).select_from(Result).join(Request)
                               .where(Request.state != "completed")) == 0
+
+
+def test_a_database_failing_mid_run_stops_the_worker_cleanly(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """The database refuses writes of results after a few (a trigger raising, as a full disk or an I/O
+    error would): the worker stops with one message and a nonzero exit, no traceback; what was committed
+    stays, and its other requests go back to the queue."""
+    db = f"sqlite:///{tmp_path / 'failing.db'}"
+    make_job(tmp_path, tiny_model_dir, db, num_rows=60)
+    with open_store(db).engine.begin() as conn:
+        conn.exec_driver_sql("CREATE TRIGGER fail_after_ten BEFORE INSERT ON results "
+                             "WHEN (SELECT count(*) FROM results) >= 10 "
+                             "BEGIN SELECT RAISE(ABORT, 'disk I/O error (simulated)'); END")
+    proc = start_worker(db, "--max-num-seqs", "4")
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 1, stderr
+    assert "Traceback" not in stderr, stderr
+    errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "disk I/O error (simulated)" in errors[0], stderr
+    with open_store(db).session_scope() as session:
+        committed = session.scalar(select(func.count()).select_from(Result))
+        states = dict(session.execute(select(Request.state, func.count()).group_by(Request.state)).all())
+    assert 0 < committed <= 10 and states == {"completed": committed, "pending": 60 - committed}, states

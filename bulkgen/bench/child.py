@@ -15,20 +15,17 @@ from typing import Any
 import torch
 
 from bulkgen.bench.workload import Workload
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from bulkgen.engine.runner import TORCH_DTYPES
 
 
 def run_bulkgen(spec: dict[str, Any], workload: Workload) -> dict[str, Any]:
     from bulkgen.config import EngineConfig, SamplingParams
     from bulkgen.engine.engine import Engine
-    from bulkgen.packing import KVAdmission, order
+    from bulkgen.packing import admission_for, order
 
     config = EngineConfig(**spec["engine_config"])
-    engine = Engine(spec["model"], config)
-    if spec.get("kv_admission", True):
-        engine.scheduler.admission = KVAdmission(engine.block_manager.num_blocks, engine.block_manager.block_size,
-                                                 spread_ends=spec.get("policy", "lpt") == "lpt")
+    engine = Engine(spec["model"], config, admission=admission_for(spec.get("policy", "lpt"),
+                                                                   spec.get("kv_admission", True)))
     engine.stats.keep_steps = True
     items = order(list(range(len(workload.prompts))), spec.get("policy", "lpt"),
                   prompt_len=lambda i: len(workload.prompts[i]), max_new=lambda i: workload.max_new_tokens[i])
@@ -112,7 +109,7 @@ def run_hf_static(spec: dict[str, Any], workload: Workload, sort: bool) -> dict[
     """Hugging Face generate() on left-padded static batches (file order, or sorted by prompt length)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=DTYPES[spec["dtype"]],
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=TORCH_DTYPES[spec["dtype"]],
                                                  attn_implementation="sdpa").eval()
     pad = model.generation_config.pad_token_id or model.config.eos_token_id or 0
     if isinstance(pad, list):
@@ -159,7 +156,7 @@ def run_hf_cb(spec: dict[str, Any], workload: Workload) -> dict[str, Any]:
     """transformers' own continuous batching (generate_batch's manager), per-request budgets, EOS off."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=DTYPES[spec["dtype"]],
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=TORCH_DTYPES[spec["dtype"]],
                                                  attn_implementation="sdpa").eval()
     config = GenerationConfig(do_sample=False, max_new_tokens=max(workload.max_new_tokens), eos_token_id=-1,
                               pad_token_id=0)

@@ -18,6 +18,7 @@ from typing import Any
 import psutil
 
 from bulkgen.bench.workload import Workload
+from bulkgen.config import DTYPES
 from bulkgen.errors import ConfigError
 
 ENGINES = ("bulkgen", "bulkgen-store", "hf-static", "hf-static-sorted", "hf-cb", "vllm")
@@ -65,7 +66,7 @@ def parse_engines(compare: str, dtype: str) -> list[EngineRun]:
             raise ConfigError(f"unknown engine {name!r} in --compare; known: {', '.join(ENGINES)}")
         run_dtype, policy, kv_admission, kernels = dtype, None, None, None
         for suffix in suffixes:
-            if suffix in ("float32", "bfloat16", "float16"):
+            if suffix in DTYPES:
                 run_dtype = suffix
             elif suffix in POLICIES and name.startswith("bulkgen"):
                 policy = suffix

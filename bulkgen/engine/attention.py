@@ -14,11 +14,12 @@ writes the new K/V into the paged cache and attends:
 
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from bulkgen.engine.kernels import Kernels
 
 ATTENTION_NAME = "bulkgen_paged"
 
@@ -64,9 +65,9 @@ class AttentionMetadata:
     prefills: list[PrefillChunk] = field(default_factory=list)
     # The C kernels for decode attention, prefill attention and the KV write (None: torch); each family's
     # path is chosen per machine (cpu_paths.py)
-    decode_kernel: ctypes.CDLL | None = None
-    prefill_kernel: ctypes.CDLL | None = None
-    write_kernel: ctypes.CDLL | None = None
+    decode_kernel: Kernels | None = None
+    prefill_kernel: Kernels | None = None
+    write_kernel: Kernels | None = None
     num_threads: int = 1
 
 
@@ -136,9 +137,11 @@ def write_kv(meta: AttentionMetadata, key: torch.Tensor, value: torch.Tensor, k_
     if kernel is not None and kernel_layout(k_cache) and key.stride(-1) == 1 and value.stride(-1) == 1:
         num_tokens, num_kv_heads, head_dim = key.shape
         function = kernel.write_kv_4 if key.element_size() == 4 else kernel.write_kv_2
-        function(key.data_ptr(), value.data_ptr(), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-                 meta.slots.data_ptr(), num_tokens, k_cache.data_ptr(), v_cache.data_ptr(), num_kv_heads, head_dim,
-                 v_cache.shape[2], meta.num_threads)
+        function(key=key.data_ptr(), value=value.data_ptr(), k_token_stride=key.stride(0),
+                 k_head_stride=key.stride(1), v_token_stride=value.stride(0), v_head_stride=value.stride(1),
+                 slots=meta.slots.data_ptr(), num_tokens=num_tokens, k_cache=k_cache.data_ptr(),
+                 v_cache=v_cache.data_ptr(), num_kv_heads=num_kv_heads, head_dim=head_dim,
+                 block_size=v_cache.shape[2], num_threads=meta.num_threads)
         return
     k_cache[meta.slot_blocks, :, :, meta.slot_offsets] = key.reshape(*key.shape[:2], -1, k_cache.shape[-1])
     v_cache[meta.slot_blocks, :, meta.slot_offsets] = value
@@ -182,9 +185,10 @@ def prefill_c(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor, v
     _, num_kv_heads, block_size, _ = v_cache.shape
     kernel = meta.prefill_kernel
     function = kernel.paged_prefill_f32 if k_cache.dtype == torch.float32 else kernel.paged_prefill_bf16
-    status = function(q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), chunk.block_table.data_ptr(),
-                      chunk.start, num_rows, out.data_ptr(), num_heads, num_kv_heads, head_dim, block_size, scale,
-                      meta.num_threads)
+    status = function(q=q32.data_ptr(), k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr(),
+                      table=chunk.block_table.data_ptr(), start=chunk.start, n=num_rows, out=out.data_ptr(),
+                      num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
+                      scale=scale, num_threads=meta.num_threads)
     if status == 1:
         raise MemoryError("paged attention kernel could not allocate its scratch buffer")
     if status == 2:
@@ -194,7 +198,7 @@ def prefill_c(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor, v
     return out.to(q.dtype)
 
 
-def _paged_c(kernel: ctypes.CDLL, meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor,
+def _paged_c(kernel: Kernels, meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor,
              v_cache: torch.Tensor, tables: torch.Tensor, table_stride: int, context_lens: torch.Tensor,
              max_context_len: int, scale: float) -> torch.Tensor:
     """The C kernel: query row i ([rows, num_heads, head_dim]) attends to the first context_lens[i]
@@ -204,9 +208,11 @@ def _paged_c(kernel: ctypes.CDLL, meta: AttentionMetadata, q: torch.Tensor, k_ca
     num_rows, num_heads, head_dim = q32.shape
     _, num_kv_heads, block_size, _ = v_cache.shape
     function = kernel.paged_decode_f32 if k_cache.dtype == torch.float32 else kernel.paged_decode_bf16
-    failed = function(q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), table_stride,
-                      context_lens.data_ptr(), out.data_ptr(), num_rows, num_heads, num_kv_heads,
-                      head_dim, block_size, max_context_len, scale, meta.num_threads)
+    failed = function(q=q32.data_ptr(), k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr(),
+                      block_tables=tables.data_ptr(), block_table_stride=table_stride,
+                      context_lens=context_lens.data_ptr(), out=out.data_ptr(), num_seqs=num_rows,
+                      num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
+                      max_context_len=max_context_len, scale=scale, num_threads=meta.num_threads)
     if failed:
         raise MemoryError("paged attention kernel could not allocate its scratch buffer")
     return out.to(q.dtype)

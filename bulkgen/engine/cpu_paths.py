@@ -19,7 +19,6 @@ it generates (in decode steps of DECODE_ROWS sequences).
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import json
 import logging
@@ -27,7 +26,6 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +33,7 @@ import torch.nn.functional as F
 from bulkgen.config import KERNEL_FAMILIES, EngineConfig, Paths
 from bulkgen.engine import attention, forward
 from bulkgen.engine.cpu import describe_cpu, torch_capability
+from bulkgen.engine.kernels import Kernels
 from bulkgen.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -76,11 +75,11 @@ class FamilyPath:
 
 @dataclass(frozen=True)
 class CpuPaths:
-    kernel: ctypes.CDLL | None
+    kernel: Kernels | None
     families: dict[str, FamilyPath]
     note: str = ""  # how the measured families were measured (now, or when, from the cache)
 
-    def c(self, family: str) -> ctypes.CDLL | None:
+    def c(self, family: str) -> Kernels | None:
         """The kernel library where `family` runs in C, else None (torch)."""
         return self.kernel if self.families[family].use_c else None
 
@@ -98,7 +97,7 @@ class CpuPaths:
         return cls(None, {name: FamilyPath(False, reason) for name in KERNEL_FAMILIES})
 
 
-def choose(kernel: ctypes.CDLL | None, dtype: torch.dtype, shape: ModelShape, forced: dict[str, str],
+def choose(kernel: Kernels | None, dtype: torch.dtype, shape: ModelShape, forced: dict[str, str],
            forced_by: str, no_kernel_reason: str) -> CpuPaths:
     """Each family's path on this machine (see the module docstring for the order of the rules)."""
     if kernel is None:
@@ -134,19 +133,19 @@ def describe_machine(dtype: torch.dtype) -> str:
     return f"CPU {describe_cpu()} (torch: {torch_capability()}), {str(dtype).removeprefix('torch.')}"
 
 
-def _why_not_c(kernel: ctypes.CDLL, family: str, dtype: torch.dtype, shape: ModelShape) -> str | None:
+def _why_not_c(kernel: Kernels, family: str, dtype: torch.dtype, shape: ModelShape) -> str | None:
     if dtype not in forward.DTYPE_CODES:
         return f"the C kernels take float32 and bfloat16, not {str(dtype).removeprefix('torch.')}"
     if family in ("linear", "gated_mlp"):
-        if dtype == torch.bfloat16 and not all(kernel.linear_bf16_available(k) for k in
+        if dtype == torch.bfloat16 and not all(kernel.linear_bf16_available(K=k) for k in
                                                (shape.hidden, shape.intermediate, shape.num_heads * shape.head_dim)):
             return "the C bfloat16 linear layers need AVX512-BF16 and even input sizes"
     return None
 
 
-def _race_cached(kernel: ctypes.CDLL, dtype: torch.dtype, shape: ModelShape, racing: list[str],
+def _race_cached(kernel: Kernels, dtype: torch.dtype, shape: ModelShape, racing: list[str],
                  decided: dict[str, FamilyPath]) -> tuple[dict[str, FamilyPath], str]:
-    key_text = json.dumps([CACHE_VERSION, Path(kernel._name).name, torch.__version__, str(dtype), asdict(shape),
+    key_text = json.dumps([CACHE_VERSION, kernel.path.name, torch.__version__, str(dtype), asdict(shape),
                            torch.get_num_threads(), sorted(racing), decided.get("small_ops", FamilyPath(False, ""))
                            .use_c])
     cache_file = Paths().cache_dir / "kernels" / f"paths-{hashlib.sha256(key_text.encode()).hexdigest()[:16]}.json"
@@ -172,7 +171,7 @@ def _race_cached(kernel: ctypes.CDLL, dtype: torch.dtype, shape: ModelShape, rac
     return out, note
 
 
-def _race(kernel: ctypes.CDLL, dtype: torch.dtype, shape: ModelShape, racing: list[str],
+def _race(kernel: Kernels, dtype: torch.dtype, shape: ModelShape, racing: list[str],
           decided: dict[str, FamilyPath]) -> dict[str, tuple[float, float]]:
     """Per-token seconds (C, torch) of each racing family, small ops first (gated_mlp's torch path uses them)."""
     timings: dict[str, tuple[float, float]] = {}
@@ -226,7 +225,7 @@ def _capped(columns: int, inputs: int, num_matrices: int) -> int:
     return min(columns, cap)
 
 
-def _linear_step(kernel: ctypes.CDLL | None, dtype: torch.dtype, shape: ModelShape) -> Callable[[int], Callable]:
+def _linear_step(kernel: Kernels | None, dtype: torch.dtype, shape: ModelShape) -> Callable[[int], Callable]:
     q_size, kv_size = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
     dims = [(q_size + 2 * kv_size, shape.hidden), (shape.hidden, q_size), (shape.hidden, shape.intermediate)]
     generator = torch.Generator().manual_seed(0)
@@ -239,7 +238,7 @@ def _linear_step(kernel: ctypes.CDLL | None, dtype: torch.dtype, shape: ModelSha
     return step
 
 
-def _gated_step(kernel: ctypes.CDLL | None, ops: forward.Ops, dtype: torch.dtype,
+def _gated_step(kernel: Kernels | None, ops: forward.Ops, dtype: torch.dtype,
                 shape: ModelShape) -> Callable[[int], Callable]:
     generator = torch.Generator().manual_seed(0)
     n = _capped(shape.intermediate, shape.hidden, 2)
@@ -291,7 +290,7 @@ def _paged_cache(generator: torch.Generator, dtype: torch.dtype, shape: ModelSha
     return k_cache, v_cache, order[:num_seqs * blocks_per_seq].view(num_seqs, blocks_per_seq).int()
 
 
-def _decode_race(kernel: ctypes.CDLL, dtype: torch.dtype, shape: ModelShape) -> tuple[float, float]:
+def _decode_race(kernel: Kernels, dtype: torch.dtype, shape: ModelShape) -> tuple[float, float]:
     generator = torch.Generator().manual_seed(0)
     context = 512
     k_cache, v_cache, tables = _paged_cache(generator, dtype, shape, DECODE_ROWS, context)
@@ -305,7 +304,7 @@ def _decode_race(kernel: ctypes.CDLL, dtype: torch.dtype, shape: ModelShape) -> 
     return c_s / DECODE_ROWS, torch_s / DECODE_ROWS
 
 
-def _prefill_race(kernel: ctypes.CDLL, dtype: torch.dtype, shape: ModelShape) -> tuple[float, float]:
+def _prefill_race(kernel: Kernels, dtype: torch.dtype, shape: ModelShape) -> tuple[float, float]:
     generator = torch.Generator().manual_seed(0)
     rows = PREFILL_ROWS
     k_cache, v_cache, tables = _paged_cache(generator, dtype, shape, 1, rows)

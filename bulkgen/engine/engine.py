@@ -4,7 +4,7 @@ schedule → run the model → post-process (sample, append, stop, free)."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,9 +16,10 @@ from bulkgen.engine import sampler
 from bulkgen.engine.block_manager import BlockManager
 from bulkgen.engine.detokenizer import IncrementalDetokenizer, drop_incomplete_character
 from bulkgen.engine.runner import ModelRunner
-from bulkgen.engine.scheduler import Scheduler, SchedulerOutput
+from bulkgen.engine.scheduler import AdmissionPolicy, Scheduler, SchedulerOutput
 from bulkgen.engine.sequence import Sequence, SequenceStatus
 from bulkgen.errors import ConfigError, PromptTooLongError
+from bulkgen.resolve import context_length
 
 
 @dataclass
@@ -60,7 +61,10 @@ class EngineStats:
 
 class Engine:
     def __init__(self, model: str | Path | torch.nn.Module, config: EngineConfig | None = None,
-                 tokenizer: Any = None, admission: Any = None) -> None:
+                 tokenizer: Any = None,
+                 admission: Callable[[int, int], AdmissionPolicy] | None = None) -> None:
+        """admission: builds the admission policy from the KV cache's (num_blocks, block_size), e.g.
+        packing.admission_for(policy); None admits whatever has blocks now."""
         from transformers import AutoTokenizer
 
         self.config = config or EngineConfig()
@@ -68,15 +72,21 @@ class Engine:
         hf_config = self.runner.model.config
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(model if not isinstance(model, torch.nn.Module)
                                                                     else hf_config._name_or_path)
-        context = getattr(hf_config, "max_position_embeddings", None) or 2048
+        context = context_length(hf_config, str(hf_config._name_or_path or type(self.runner.model).__name__))
         self.max_model_len = min(self.config.max_model_len or context, context)
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
                                           self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens,
-                                   admission)
+                                   None if admission is None else admission(self.runner.num_blocks,
+                                                                            self.config.block_size))
         self.eos_token_ids = _eos_ids(self.runner.model, self.tokenizer)
         self.stats = EngineStats()
         self._seqs: dict[Any, Sequence] = {}
+
+    @property
+    def max_num_tokens(self) -> int:
+        """Tokens the KV cache holds."""
+        return self.runner.max_num_tokens
 
     def describe(self) -> str:
         """One line: the model, dtype and device, each CPU kernel family's path, the KV cache."""
@@ -151,10 +161,9 @@ class Engine:
     def _postprocess(self, scheduled: SchedulerOutput, logits: torch.Tensor,
                      sampled_seqs: list[Sequence]) -> list[RequestOutput]:
         now = time.monotonic()
+        self.scheduler.update(scheduled)
         num_decodes = 0
         for s in scheduled.scheduled:
-            s.seq.num_computed_tokens += s.num_new_tokens
-            self.block_manager.cache_full_blocks(s.seq)
             num_decodes += s.num_new_tokens == 1
             if s.seq.num_output_tokens == 0 or s.num_new_tokens > 1:
                 self.stats.num_prompt_tokens_computed += s.num_new_tokens

@@ -15,7 +15,6 @@ transformers' attention interface, which is exact for any model that uses it.
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -23,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from bulkgen.engine import attention
+from bulkgen.engine.kernels import Kernels
 
 if TYPE_CHECKING:
     from bulkgen.engine.cpu_paths import CpuPaths
@@ -58,7 +58,7 @@ class Linear:
     elsewhere torch's linear."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool,
-                 kernel: ctypes.CDLL | None = None) -> None:
+                 kernel: Kernels | None = None) -> None:
         on_cpu = weight.device.type == "cpu"
         self.out_features, self.in_features = weight.shape
         self.kernel = kernel if pack and kernel_takes(kernel, weight) else None
@@ -80,9 +80,10 @@ class Linear:
                 raise TypeError(f"linear layer in {self.dtype} got {x.dtype} input")
             x = x.contiguous()
             y = x.new_empty(*x.shape[:-1], self.out_features)
-            self._linear(x.data_ptr(), x.numel() // self.in_features, self.in_features, self.weight.data_ptr(),
-                         self.out_features, None if self.bias is None else self.bias.data_ptr(), y.data_ptr(),
-                         torch.get_num_threads())
+            self._linear(x=x.data_ptr(), M=x.numel() // self.in_features, K=self.in_features,
+                         packed=self.weight.data_ptr(), N=self.out_features,
+                         bias=None if self.bias is None else self.bias.data_ptr(), y=y.data_ptr(),
+                         num_threads=torch.get_num_threads())
             return y
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
@@ -100,18 +101,19 @@ def onednn_takes(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def kernel_takes(kernel: ctypes.CDLL | None, weight: torch.Tensor) -> bool:
+def kernel_takes(kernel: Kernels | None, weight: torch.Tensor) -> bool:
     """Whether our C linear layers run this weight: float32, and bfloat16 where the CPU has AVX512-BF16."""
     return kernel is not None and weight.device.type == "cpu" and (
         weight.dtype == torch.float32
-        or weight.dtype == torch.bfloat16 and bool(kernel.linear_bf16_available(weight.shape[1])))
+        or weight.dtype == torch.bfloat16 and bool(kernel.linear_bf16_available(K=weight.shape[1])))
 
 
-def pack_weight(kernel: ctypes.CDLL, weight: torch.Tensor) -> torch.Tensor:
+def pack_weight(kernel: Kernels, weight: torch.Tensor) -> torch.Tensor:
     """weight [N, K] in the C linear layers' panels."""
     pack = kernel.pack_linear_f32 if weight.dtype == torch.float32 else kernel.pack_linear_bf16
-    out = torch.empty(kernel.linear_packed_size(*weight.shape), dtype=weight.dtype)
-    pack(weight.contiguous().data_ptr(), *weight.shape, out.data_ptr(), torch.get_num_threads())
+    n, k = weight.shape
+    out = torch.empty(kernel.linear_packed_size(N=n, K=k), dtype=weight.dtype)
+    pack(w=weight.contiguous().data_ptr(), N=n, K=k, out=out.data_ptr(), num_threads=torch.get_num_threads())
     return out
 
 
@@ -121,7 +123,7 @@ class GatedLinear:
     [rows, 2 × intermediate] product is never written out and read back (the same bits as the two steps).
     Otherwise one fused linear layer, then Ops.silu_mul."""
 
-    def __init__(self, gate: torch.nn.Linear, up: torch.nn.Linear, pack: bool, kernel: ctypes.CDLL | None,
+    def __init__(self, gate: torch.nn.Linear, up: torch.nn.Linear, pack: bool, kernel: Kernels | None,
                  ops: Ops) -> None:
         self.ops = ops
         self.in_features, self.out_features = gate.in_features, gate.out_features
@@ -140,12 +142,13 @@ class GatedLinear:
             raise TypeError(f"linear layer in {self.dtype} got {x.dtype} input")
         x = x.contiguous()
         out = x.new_empty(*x.shape[:-1], self.out_features)
-        self._function(x.data_ptr(), x.numel() // self.in_features, self.in_features, self.weight.data_ptr(),
-                       self.out_features, out.data_ptr(), torch.get_num_threads())
+        self._function(x=x.data_ptr(), M=x.numel() // self.in_features, K=self.in_features,
+                       packed=self.weight.data_ptr(), n=self.out_features, out=out.data_ptr(),
+                       num_threads=torch.get_num_threads())
         return out
 
 
-def fused(*linears: torch.nn.Linear, pack: bool, kernel: ctypes.CDLL | None = None) -> Linear:
+def fused(*linears: torch.nn.Linear, pack: bool, kernel: Kernels | None = None) -> Linear:
     weight = torch.cat([lin.weight.detach() for lin in linears])
     biases = [lin.bias for lin in linears]
     bias = None if all(b is None for b in biases) else torch.cat([
@@ -158,7 +161,7 @@ class Ops:
     """RMSNorm (with the residual add before it), SiLU-and-multiply and argmax: our C kernels on CPU
     for float32 and bfloat16, otherwise the torch code of Hugging Face's modules."""
 
-    def __init__(self, kernel: ctypes.CDLL | None, dtype: torch.dtype) -> None:
+    def __init__(self, kernel: Kernels | None, dtype: torch.dtype) -> None:
         self.kernel = kernel if dtype in DTYPE_CODES else None  # for norms and activations in the model's dtype
         self.argmax_kernel = kernel
         self.dtype_code = DTYPE_CODES.get(dtype, -1)
@@ -168,8 +171,9 @@ class Ops:
         """x += residual (in place, when given), then RMSNorm(x) as a new tensor. x: [rows, hidden]."""
         if self.kernel is not None and x.is_contiguous() and (residual is None or residual.is_contiguous()):
             out = torch.empty_like(x)
-            self.kernel.rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
-                                 out.data_ptr(), x.shape[0], x.shape[1], eps, self.dtype_code, torch.get_num_threads())
+            self.kernel.rms_norm(x=x.data_ptr(), residual=None if residual is None else residual.data_ptr(),
+                                 weight=weight.data_ptr(), out=out.data_ptr(), rows=x.shape[0], cols=x.shape[1],
+                                 eps=eps, dtype=self.dtype_code, num_threads=torch.get_num_threads())
             return out
         if residual is not None:
             x.add_(residual)
@@ -180,8 +184,8 @@ class Ops:
         rows, width = gate_up.shape
         if self.kernel is not None and gate_up.is_contiguous():
             out = torch.empty(rows, width // 2, dtype=gate_up.dtype, device=gate_up.device)
-            self.kernel.silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, self.dtype_code,
-                                 torch.get_num_threads())
+            self.kernel.silu_mul(gate_up=gate_up.data_ptr(), out=out.data_ptr(), rows=rows, cols=width // 2,
+                                 dtype=self.dtype_code, num_threads=torch.get_num_threads())
             return out
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
@@ -192,8 +196,9 @@ class Ops:
         heads). Returns None where the C kernel does not apply (the caller rotates with torch)."""
         if self.kernel is None or qkv.stride(-1) != 1 or not cos.is_contiguous() or not sin.is_contiguous():
             return None
-        self.kernel.rope(qkv.data_ptr(), qkv.shape[0], qkv.stride(0), num_heads, head_dim, cos.data_ptr(),
-                         sin.data_ptr(), self.dtype_code, torch.get_num_threads())
+        self.kernel.rope(x=qkv.data_ptr(), rows=qkv.shape[0], row_stride=qkv.stride(0), num_heads=num_heads,
+                         head_dim=head_dim, cos=cos.data_ptr(), sin=sin.data_ptr(), dtype=self.dtype_code,
+                         num_threads=torch.get_num_threads())
         return qkv
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
@@ -201,8 +206,9 @@ class Ops:
         if self.argmax_kernel is not None and logits.dtype == torch.float32 and logits.device.type == "cpu" \
                 and logits.stride(-1) == 1 and logits.shape[0] > 0:
             out = torch.empty(logits.shape[0], dtype=torch.int64)
-            self.argmax_kernel.argmax_rows(logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0),
-                                    out.data_ptr(), torch.get_num_threads())
+            self.argmax_kernel.argmax_rows(x=logits.data_ptr(), rows=logits.shape[0], cols=logits.shape[1],
+                                           row_stride=logits.stride(0), out=out.data_ptr(),
+                                           num_threads=torch.get_num_threads())
             return out
         return logits.argmax(dim=-1)
 
@@ -224,8 +230,8 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 class _Layer:
-    def __init__(self, layer: torch.nn.Module, pack: bool, linear_kernel: ctypes.CDLL | None,
-                 gated_kernel: ctypes.CDLL | None, ops: Ops) -> None:
+    def __init__(self, layer: torch.nn.Module, pack: bool, linear_kernel: Kernels | None,
+                 gated_kernel: Kernels | None, ops: Ops) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.qkv = fused(attn.q_proj, attn.k_proj, attn.v_proj, pack=pack, kernel=linear_kernel)
         self.q_size, self.kv_size = attn.q_proj.out_features, attn.k_proj.out_features

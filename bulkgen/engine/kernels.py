@@ -35,31 +35,67 @@ NO_KERNEL_ENV = "BULKGEN_NO_KERNEL"
 CFLAGS_ENV = "BULKGEN_KERNEL_CFLAGS"
 
 _P, _I64, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-_DECODE = (_I, [_P] * 4 + [_I64, _P, _P] + [_I] * 6 + [_F, _I])
-_PREFILL = (_I, [_P] * 4 + [_I] * 2 + [_P] + [_I] * 4 + [_F, _I])
-_WRITE_KV = (None, [_P] * 2 + [_I64] * 4 + [_P, _I] + [_P] * 2 + [_I] * 4)
-# Every C function the engine calls: name -> (return type, argument types), as defined in csrc/*.c.
-SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
-    "paged_decode_f32": _DECODE, "paged_decode_bf16": _DECODE,
-    "paged_prefill_f32": _PREFILL, "paged_prefill_bf16": _PREFILL,
-    "write_kv_4": _WRITE_KV, "write_kv_2": _WRITE_KV,
-    "rms_norm": (None, [_P, _P, _P, _P, _I64, _I64, _F, _I, _I]),
-    "silu_mul": (None, [_P, _P, _I64, _I64, _I, _I]),
-    "argmax_rows": (None, [_P, _I64, _I64, _I64, _P, _I]),
-    "rope": (None, [_P, _I64, _I64, _I, _I, _P, _P, _I, _I]),
-    "pack_linear_f32": (None, [_P, _I64, _I64, _P, _I]),
-    "linear_f32": (None, [_P, _I64, _I64, _P, _I64, _P, _P, _I]),
-    "pack_linear_bf16": (None, [_P, _I64, _I64, _P, _I]),
-    "linear_bf16": (None, [_P, _I64, _I64, _P, _I64, _P, _P, _I]),
-    "linear_silu_mul_f32": (None, [_P, _I64, _I64, _P, _I64, _P, _I]),
-    "linear_silu_mul_bf16": (None, [_P, _I64, _I64, _P, _I64, _P, _I]),
-    "linear_packed_size": (_I64, [_I64, _I64]),
-    "linear_bf16_available": (_I, [_I64]),
-    "kernel_isa_ok": (_I, []),
+
+
+def _params(text: str) -> list[tuple[str, type]]:
+    """'x:p rows:i64 eps:f' -> [(name, ctypes type)]: p a pointer (a tensor's data_ptr(), or None), i64, i, f."""
+    kinds = {"p": _P, "i64": _I64, "i": _I, "f": _F}
+    return [(name, kinds[kind]) for name, kind in (item.split(":") for item in text.split())]
+
+
+_DECODE = "q:p k_cache:p v_cache:p block_tables:p block_table_stride:i64 context_lens:p out:p num_seqs:i num_heads:i " \
+          "num_kv_heads:i head_dim:i block_size:i max_context_len:i scale:f num_threads:i"
+_PREFILL = "q:p k_cache:p v_cache:p table:p start:i n:i out:p num_heads:i num_kv_heads:i head_dim:i block_size:i " \
+           "scale:f num_threads:i"
+_WRITE_KV = "key:p value:p k_token_stride:i64 k_head_stride:i64 v_token_stride:i64 v_head_stride:i64 slots:p " \
+            "num_tokens:i k_cache:p v_cache:p num_kv_heads:i head_dim:i block_size:i num_threads:i"
+_LINEAR = "x:p M:i64 K:i64 packed:p N:i64 bias:p y:p num_threads:i"
+_SILU_LINEAR = "x:p M:i64 K:i64 packed:p n:i64 out:p num_threads:i"
+_PACK = "w:p N:i64 K:i64 out:p num_threads:i"
+# Every C function the engine calls, as defined in csrc/*.c: name -> (return type, named parameters). The one
+# place their signatures are kept: call sites name each argument (Kernels).
+SIGNATURES: dict[str, tuple[type | None, str]] = {
+    "paged_decode_f32": (_I, _DECODE), "paged_decode_bf16": (_I, _DECODE),
+    "paged_prefill_f32": (_I, _PREFILL), "paged_prefill_bf16": (_I, _PREFILL),
+    "write_kv_4": (None, _WRITE_KV), "write_kv_2": (None, _WRITE_KV),
+    "rms_norm": (None, "x:p residual:p weight:p out:p rows:i64 cols:i64 eps:f dtype:i num_threads:i"),
+    "silu_mul": (None, "gate_up:p out:p rows:i64 cols:i64 dtype:i num_threads:i"),
+    "argmax_rows": (None, "x:p rows:i64 cols:i64 row_stride:i64 out:p num_threads:i"),
+    "rope": (None, "x:p rows:i64 row_stride:i64 num_heads:i head_dim:i cos:p sin:p dtype:i num_threads:i"),
+    "pack_linear_f32": (None, _PACK), "pack_linear_bf16": (None, _PACK),
+    "linear_f32": (None, _LINEAR), "linear_bf16": (None, _LINEAR),
+    "linear_silu_mul_f32": (None, _SILU_LINEAR), "linear_silu_mul_bf16": (None, _SILU_LINEAR),
+    "linear_packed_size": (_I64, "N:i64 K:i64"),
+    "linear_bf16_available": (_I, "K:i64"),
+    "kernel_isa_ok": (_I, ""),
 }
 
 
-def load_cpu_kernels(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+class CFunction:
+    """One C function, called with every argument named (a missing or unknown name is a TypeError)."""
+
+    def __init__(self, function: ctypes._CFuncPtr, name: str, params: list[tuple[str, type]]) -> None:
+        self._function, self.name, self._names = function, name, [n for n, _ in params]
+
+    def __call__(self, **arguments: object) -> object:
+        if len(arguments) != len(self._names):
+            raise TypeError(f"{self.name} takes {', '.join(self._names)}; got {', '.join(arguments)}")
+        return self._function(*[arguments[name] for name in self._names])
+
+
+class Kernels:
+    """The loaded library: each function of SIGNATURES as a CFunction attribute."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self.path = Path(library._name)
+        for name, (restype, text) in SIGNATURES.items():
+            params = _params(text)
+            function = getattr(library, name)
+            function.restype, function.argtypes = restype, [kind for _, kind in params]
+            setattr(self, name, CFunction(function, name, params))
+
+
+def load_cpu_kernels(extra_flags: tuple[str, ...] = ()) -> Kernels | None:
     """The compiled kernel library, or None (with one warning) when it cannot be built or run here.
     extra_flags: more compiler flags (tests build the portable paths with `-mno-avx512f`, say), after
     those of BULKGEN_KERNEL_CFLAGS."""
@@ -69,7 +105,7 @@ def load_cpu_kernels(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
 
 
 @cache
-def _load(extra_flags: tuple[str, ...]) -> ctypes.CDLL | None:
+def _load(extra_flags: tuple[str, ...]) -> Kernels | None:
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
         log.warning("bulkgen: no C compiler found; the CPU engine runs in pure torch (slower)")
@@ -82,10 +118,7 @@ def _load(extra_flags: tuple[str, ...]) -> ctypes.CDLL | None:
     try:
         if not library.is_file():
             _compile(compiler, flags, sources, library)
-        lib = ctypes.CDLL(str(library))
-        for name, (restype, argtypes) in SIGNATURES.items():
-            function = getattr(lib, name)
-            function.restype, function.argtypes = restype, argtypes
+        lib = Kernels(ctypes.CDLL(str(library)))
     except (OSError, AttributeError, subprocess.CalledProcessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
         log.warning("bulkgen: could not build the CPU kernels (%s); the CPU engine runs in pure torch", detail)

@@ -17,7 +17,7 @@ import numpy as np
 import psutil
 import torch
 
-from bulkgen.config import EngineConfig, format_size, parse_kernels
+from bulkgen.config import DTYPES, EngineConfig, format_size, parse_kernels
 from bulkgen.engine import attention, cpu_paths, forward
 from bulkgen.engine.cpu import check_dtype_fits
 from bulkgen.engine.kernels import NO_KERNEL_ENV, load_cpu_kernels
@@ -27,7 +27,7 @@ from bulkgen.errors import ConfigError, ModelError
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPES}  # config.DTYPES, as torch names them
 CPU_DEFAULT_KV_BYTES = 4 * 2**30
 MIN_KV_BLOCKS = 4
 CPU_HEADROOM_BYTES = 1 * 2**30  # activations of a 1k-token step, Python, libraries
@@ -37,7 +37,7 @@ class ModelRunner:
     def __init__(self, model: str | Path | torch.nn.Module, config: EngineConfig) -> None:
         self.config = config
         self.device = _device(config.device)
-        self.dtype = DTYPES[config.dtype]
+        self.dtype = TORCH_DTYPES[config.dtype]
         if self.device.type == "cpu":
             check_dtype_fits(config.dtype)
             if config.num_threads:

@@ -32,7 +32,9 @@ class SchedulerOutput:
 
 class AdmissionPolicy(Protocol):
     """Decides whether a waiting sequence may start now, beyond there being blocks for it (the packer's
-    projection of future KV use, say)."""
+    projection of future KV use, say). Without one, admission is strict order while blocks last."""
+
+    lookahead: int  # how far down the waiting queue to look for a sequence that fits (backfilling)
 
     def can_admit(self, candidate: Sequence, running: list[Sequence]) -> bool: ...
 
@@ -43,7 +45,7 @@ class AdmissionPolicy(Protocol):
     def remaining_steps(self, seq: Sequence) -> int: ...
 
     def prioritize(self, waiting: deque[Sequence], running: list[Sequence]) -> None:
-        """Optional: reorder the waiting queue in place; called before admission after a finish."""
+        """Reorder the waiting queue in place (or leave it); called before admission after a finish."""
         ...
 
     def observe_finished(self, num_output_tokens: int, max_new_tokens: int, ignore_eos: bool) -> None: ...
@@ -104,8 +106,8 @@ class Scheduler:
         # Strict order by default (vLLM's): admission stops at the first sequence that does not fit.
         # An admission policy may backfill: look further down the queue for sequences that fit now
         # and will have finished by the time the first one can start, so they never delay it.
-        lookahead = getattr(self.admission, "lookahead", 1) if self.admission is not None else 1
-        if self._finished_since_admission and hasattr(self.admission, "prioritize"):
+        lookahead = self.admission.lookahead if self.admission is not None else 1
+        if self._finished_since_admission and self.admission is not None:
             self.admission.prioritize(self.waiting, self.running)
         self._finished_since_admission = False
         i = 0
@@ -135,6 +137,13 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
         return out
+
+    def update(self, out: SchedulerOutput) -> None:
+        """After the model ran `out`: each scheduled sequence's computed tokens advance by what it was given,
+        and its blocks that are now full enter the prefix cache. (Finishing is `finish`, once sampled.)"""
+        for s in out.scheduled:
+            s.seq.num_computed_tokens += s.num_new_tokens
+            self.block_manager.cache_full_blocks(s.seq)
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """End a sequence: out of the queues, its blocks released (full ones stay in the prefix cache)."""

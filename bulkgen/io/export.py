@@ -15,12 +15,11 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from sqlalchemy import select
 
 from bulkgen.errors import InputError
 from bulkgen.store import Store
-from bulkgen.store.jobs import get_job
-from bulkgen.store.models import Job, JobStatus, Request, RequestState, Result, unpack_ids
+from bulkgen.store.jobs import get_job, results_page
+from bulkgen.store.models import Job, JobStatus, RequestState, unpack_ids
 
 FORMATS = {".parquet": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl"}
 PAGE_ROWS = 4096
@@ -143,15 +142,8 @@ def _tables(store: Store, job: Job, source: pq.ParquetFile | None, include_token
 
 def _results_table(store: Store, job_id: int, start: int, end: int, include_token_ids: bool,
                    include_logprobs: bool) -> pa.Table | None:
-    query = (select(Request.row, Request.sample, Request.custom_id, Request.state, Request.error,
-                    Request.num_prompt_tokens, Result.text, Result.finish_reason, Result.num_output_tokens,
-                    Result.num_cached_tokens, Result.time_to_first_token_s, Result.latency_s,
-                    Result.token_ids, Result.logprobs)
-             .outerjoin(Result, Result.request_id == Request.id)
-             .where(Request.job_id == job_id, Request.row >= start, Request.row < end)
-             .order_by(Request.row, Request.sample))
     with store.session_scope() as session:
-        rows = session.execute(query).all()
+        rows = results_page(session, job_id, start, end)
     if not rows:
         return None
     columns: dict[str, list[Any]] = {name: [] for name in RESULT_SCHEMA.names}

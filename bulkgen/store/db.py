@@ -8,7 +8,7 @@ from pathlib import Path
 
 from sqlalchemy import create_engine, event
 from sqlalchemy.engine import Engine, make_url
-from sqlalchemy.exc import ArgumentError, OperationalError, SQLAlchemyError
+from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from bulkgen.errors import BulkgenError, ConfigError, StoreError
@@ -47,12 +47,9 @@ class Store:
         except BulkgenError:
             session.rollback()
             raise
-        except OperationalError as exc:
-            session.rollback()
-            raise StoreError(f"database error on {self.url}: {exc.orig}") from exc
         except SQLAlchemyError as exc:
             session.rollback()
-            raise StoreError(f"database error on {self.url}: {exc}") from exc
+            raise StoreError(f"database error on {self.url}: {_reason(exc)}") from exc
         except BaseException:
             session.rollback()
             raise
@@ -84,8 +81,7 @@ def opening(engine: Engine) -> Iterator[None]:
     except BulkgenError:
         raise
     except (SQLAlchemyError, OSError) as exc:
-        reason = getattr(exc, "orig", None) or exc
-        raise ConfigError(f"cannot open the database {engine.url.render_as_string(hide_password=True)}: {reason}; "
+        raise ConfigError(f"cannot open the database {engine.url.render_as_string(hide_password=True)}: {_reason(exc)}; "
                           "give --db (or BULKGEN_DB) a bulkgen database, or a new file in a directory you can "
                           "write") from exc
 
@@ -133,3 +129,9 @@ def _sqlite_engine(url) -> Engine:
         conn.exec_driver_sql(f"BEGIN {conn.get_execution_options().get('sqlite_begin', 'DEFERRED')}")
 
     return engine
+
+
+def _reason(exc: BaseException) -> str:
+    """The database's own words, on one line: the driver's message without SQLAlchemy's statement dump."""
+    text = str(getattr(exc, "orig", None) or exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -115,6 +115,27 @@ def retry_job(session: Session, job_id: int) -> int:
     return requeued
 
 
+def first_errors(session: Session, job_id: int, limit: int = 5) -> list[tuple[int, int, str]]:
+    """(row, sample, error) of the job's first failed requests, in input order."""
+    query = (select(Request.row, Request.sample, Request.error)
+             .where(Request.job_id == job_id, Request.state == RequestState.FAILED.value)
+             .order_by(Request.row, Request.sample).limit(limit))
+    return [tuple(r) for r in session.execute(query)]
+
+
+def results_page(session: Session, job_id: int, start: int, end: int) -> list[Any]:
+    """Every request of input rows [start, end) with its result (None columns where it has none), in
+    row then sample order: what export writes."""
+    query = (select(Request.row, Request.sample, Request.custom_id, Request.state, Request.error,
+                    Request.num_prompt_tokens, Result.text, Result.finish_reason, Result.num_output_tokens,
+                    Result.num_cached_tokens, Result.time_to_first_token_s, Result.latency_s,
+                    Result.token_ids, Result.logprobs)
+             .outerjoin(Result, Result.request_id == Request.id)
+             .where(Request.job_id == job_id, Request.row >= start, Request.row < end)
+             .order_by(Request.row, Request.sample))
+    return list(session.execute(query).all())
+
+
 def _summary(job: Job, counts: dict[str, int], tokens: tuple[int, int]) -> dict[str, Any]:
     total = sum(counts.values())
     done = counts[RequestState.COMPLETED.value] + counts[RequestState.FAILED.value]

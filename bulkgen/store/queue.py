@@ -19,10 +19,10 @@ from typing import Any
 from sqlalchemy import and_, case, func, select, update
 from sqlalchemy.orm import Session
 
+from bulkgen.packing import SORT_KEYS
 from bulkgen.store.models import Job, JobStatus, Request, RequestState, Result, Worker, utcnow
 
 RUNNABLE_JOBS = (JobStatus.QUEUED.value, JobStatus.RUNNING.value)
-CLAIM_ORDERS = ("lpt", "sorted", "fifo")  # the packer's policies (see bulkgen.packing)
 
 
 @dataclass(frozen=True)
@@ -95,21 +95,17 @@ def dead_local_workers(session: Session) -> list[str]:
 
 def claim(session: Session, worker_id: str, job_ids: list[int], limit: int, lease_s: float,
           order: str = "lpt") -> list[ClaimedRequest]:
-    """Lease up to `limit` pending requests of the given jobs (older jobs first), in the packer's order:
-    lpt: most output tokens first (then longest prompt); sorted: shortest prompt first; fifo: as submitted."""
+    """Lease up to `limit` pending requests of the given jobs (older jobs first), in the packer's order
+    (packing.SORT_KEYS: lpt, most output tokens first, then longest prompt; sorted, shortest prompt first;
+    fifo, as submitted)."""
     if limit <= 0 or not job_ids:
         return []
     query = (select(Request.id, Request.job_id, Request.row, Request.sample, Request.prompt_token_ids,
                     Request.max_new_tokens, Request.seed, Request.attempts)
              .where(Request.job_id.in_(job_ids), Request.state == RequestState.PENDING.value))
-    if order == "lpt":
-        query = query.order_by(Request.job_id, Request.max_new_tokens.desc(), Request.num_prompt_tokens.desc(),
-                               Request.id)
-    elif order == "sorted":
-        query = query.order_by(Request.job_id, Request.num_prompt_tokens, Request.id)
-    else:
-        query = query.order_by(Request.job_id, Request.id)
-    query = query.limit(limit)
+    keys = [getattr(Request, field).desc() if descending else getattr(Request, field)
+            for field, descending in SORT_KEYS[order]]
+    query = query.order_by(Request.job_id, *keys, Request.id).limit(limit)
     if session.bind.dialect.name == "postgresql":
         query = query.with_for_update(skip_locked=True, of=Request)
     rows = session.execute(query).all()
@@ -199,6 +195,29 @@ def queue_totals(session: Session, job_ids: list[int]) -> QueueTotals:
                        num_done=sum(n for state, (n, _) in counts.items() if state in done),
                        num_pending=counts.get(RequestState.PENDING.value, (0, 0))[0],
                        budget_left=sum(b for state, (_, b) in counts.items() if state not in done))
+
+
+@dataclass(frozen=True)
+class QueueShape:
+    """What a worker sizes its next claim by."""
+
+    num_pending: int
+    num_running: int  # leased, by any worker
+    mean_tokens: float  # prompt + max_new_tokens of a pending request, on average
+    num_live_workers: int  # workers heart-beating within the lease, idle or holding requests of these jobs
+
+
+def queue_shape(session: Session, job_ids: list[int], lease_s: float) -> QueueShape:
+    pending, tokens = session.execute(
+        select(func.count(), func.coalesce(func.avg(Request.num_prompt_tokens + Request.max_new_tokens), 0))
+        .where(Request.job_id.in_(job_ids), Request.state == RequestState.PENDING.value)).one()
+    running = session.scalar(select(func.count()).where(Request.job_id.in_(job_ids),
+                                                        Request.state == RequestState.RUNNING.value))
+    holds = select(Request.id).where(Request.lease_owner == Worker.id, Request.state == RequestState.RUNNING.value)
+    live = session.scalar(select(func.count()).select_from(Worker).where(
+        Worker.status == "running", Worker.heartbeat_at >= utcnow() - timedelta(seconds=lease_s),
+        ~holds.exists() | holds.where(Request.job_id.in_(job_ids)).exists()))
+    return QueueShape(int(pending), int(running or 0), float(tokens), int(live or 0))
 
 
 def settle_jobs(session: Session, job_ids: list[int]) -> None:

@@ -1,0 +1,68 @@
+"""A worker's lease on its requests, kept alive by a heartbeat, and the signals that end a run.
+
+The heartbeat renews every lease the worker holds a quarter of a lease before it would expire, from its
+own thread, so a long engine step never lets a lease lapse; a worker that dies stops heart-beating and
+its requests return to the queue. SIGINT and SIGTERM ask the run to drain; a second SIGINT ends the
+process at once (the leases then expire as after a crash).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from bulkgen.store import Store
+from bulkgen.store import queue as q
+
+log = logging.getLogger(__name__)
+
+
+class Heartbeat(threading.Thread):
+    """Renews this worker's leases while the main thread computes."""
+
+    def __init__(self, store: Store, worker_id: str, lease_s: float) -> None:
+        super().__init__(name="bulkgen-heartbeat", daemon=True)
+        self.store = store
+        self.worker_id = worker_id
+        self.lease_s = lease_s
+        self._stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self._stopped.wait(self.lease_s / 4):
+            try:
+                with self.store.session_scope(write=True) as session:
+                    q.heartbeat(session, self.worker_id, self.lease_s)
+            except Exception as exc:  # keep trying: the database may be briefly unreachable
+                log.warning("bulkgen: heartbeat failed: %s", exc)
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self.join(timeout=5)
+
+
+def on_stop_signals(stop: Callable[[str], None], is_stopping: Callable[[], bool],
+                    drain_timeout_s: float) -> Callable[[], None]:
+    """Call stop(signal name) on SIGINT or SIGTERM; a second SIGINT exits at once. Returns a function that
+    restores the previous handlers. Outside the main thread (where Python allows no handlers) a no-op."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def handle(signum: int, _frame: Any) -> None:
+        if is_stopping() and signum == signal.SIGINT:
+            os._exit(130)
+        name = signal.Signals(signum).name
+        stop(name)
+        log.warning("bulkgen: %s: finishing running requests (up to %.0fs), then stopping; "
+                    "Ctrl-C again to stop at once", name, drain_timeout_s)
+
+    previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def restore() -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+    return restore
