@@ -17,7 +17,7 @@ from bulkgen.errors import ConfigError
 
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
-ATTENTION_BACKENDS = ("auto", "kernel", "torch")
+ATTENTION_BACKENDS = ("auto", "kernel", "torch", "triton")
 # CPU kernel families, each run in bulkgen's C kernels or in plain torch (engine/cpu_paths.py decides).
 KERNEL_FAMILIES = ("linear", "gated_mlp", "decode_attention", "prefill_attention", "small_ops")
 KERNEL_FAMILY_GROUPS = {"attention": ("decode_attention", "prefill_attention"), "all": KERNEL_FAMILIES}
@@ -102,7 +102,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 1024  # tokens computed per step (the token budget)
     max_model_len: int | None = None  # defaults to the model's context length
     enable_prefix_caching: bool = True
-    attention_backend: str = "auto"  # kernel: our C paged attention (CPU); torch: pure torch
+    attention_backend: str = "auto"  # kernel: our C kernels (CPU); torch: pure torch; triton: Triton (GPU)
     kernels: str = "auto"  # CPU path per kernel family: auto (measured), c, torch, or "family=path,..."
     num_threads: int | None = None  # torch intra-op threads on CPU
     pack_weights: bool = True  # CPU: pack linear weights once for our C GEMM (float32, bfloat16) or oneDNN

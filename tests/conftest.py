@@ -9,6 +9,7 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the hub is unreachable here; never wait for it
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton kernels run on the CPU, through triton's interpreter
 
 REPO = Path(__file__).resolve().parents[1]
 

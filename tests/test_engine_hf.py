@@ -157,3 +157,23 @@ def test_bfloat16_kernels_agree_with_torch(tiny_llama64_dir: Path, monkeypatch: 
     before_parting = sum(common) / sum(len(out) for out in kernel.values())
     print(f"bfloat16 kernel vs torch: first token {first:.0%}, tokens before the paths part {before_parting:.0%}")
     assert first >= 0.9 and before_parting >= 0.3  # 65 % here; a broken decode path gives ~3 %
+
+
+def test_triton_path_equals_hf_generate(models) -> None:
+    """The GPU path (Triton attention, KV write and small ops; K laid out as V), here in Triton's CPU
+    interpreter: greedy tokens equal Hugging Face's, with chunked prefill, cached prefixes and
+    preemptions (a small cache), and decode contexts split over several programs."""
+    pytest.importorskip("triton")
+    model_dir, expected = models["llama64"]
+    picked = [0, 3, 8, 10, 17]  # 1 to 300 prompt tokens
+    config = EngineConfig(kv_cache_memory=336 * KV_BYTES_PER_TOKEN["llama64"], max_num_batched_tokens=64,
+                          attention_backend="triton", max_num_seqs=8, block_size=16)
+    engine = Engine(model_dir, config)
+    assert engine.runner.use_triton and engine.runner._k_caches[0].shape[1:] == engine.runner._v_caches[0].shape[1:]
+    for i in picked:
+        engine.add(i, WORKLOAD[i][0], SamplingParams(max_new_tokens=min(WORKLOAD[i][1], 16)))
+    outputs = {}
+    while engine.has_unfinished():
+        outputs.update((o.request_id, o.output_token_ids) for o in engine.step())
+    assert {i: outputs[i] for i in picked} == {i: expected[i][:min(WORKLOAD[i][1], 16)] for i in picked}
+    assert engine.stats.num_preemptions > 0

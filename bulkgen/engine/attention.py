@@ -24,16 +24,22 @@ from bulkgen.engine.kernels import Kernels
 ATTENTION_NAME = "bulkgen_paged"
 
 
-def k_block_shape(num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> tuple[int, ...]:
-    """One block of K: [num_kv_heads, head_dim / P, block_size, P], transposed (dims outer, rows inner)
-    so that decode attention scores 16 rows per vector. P = 2 for 2-byte types (bfloat16: dims in
-    pairs, the operand of AVX512-BF16's dot-product instruction), else 1."""
+def k_block_shape(num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
+                  transposed: bool = True) -> tuple[int, ...]:
+    """One block of K. For the CPU kernels, transposed: [num_kv_heads, head_dim / P, block_size, P] (dims
+    outer, rows inner) so that decode attention scores 16 rows per vector; P = 2 for 2-byte types
+    (bfloat16: dims in pairs, the operand of AVX512-BF16's dot-product instruction), else 1. For the Triton
+    kernels, as V: [num_kv_heads, block_size, head_dim]."""
+    if not transposed:
+        return (num_kv_heads, block_size, head_dim)
     pair = 2 if torch.empty((), dtype=dtype).element_size() == 2 and head_dim % 2 == 0 else 1
     return (num_kv_heads, head_dim // pair, block_size, pair)
 
 
 def gather_k(k_cache: torch.Tensor, blocks: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Keys at (block, row) pairs of a layer's K cache -> [n, num_kv_heads, head_dim]."""
+    """Keys at (block, row) pairs of a layer's K cache (either layout) -> [n, num_kv_heads, head_dim]."""
+    if k_cache.dim() == 4:  # [blocks, kv_heads, block_size, head_dim]
+        return k_cache[blocks, :, rows]
     k = k_cache[blocks, :, :, rows]  # [n, kv_heads, head_dim / P, P]
     return k.reshape(k.shape[0], k.shape[1], -1)
 
@@ -69,6 +75,23 @@ class AttentionMetadata:
     prefill_kernel: Kernels | None = None
     write_kernel: Kernels | None = None
     num_threads: int = 1
+    triton: TritonStep | None = None  # set where attention and the KV write run in Triton (a GPU)
+
+
+@dataclass
+class TritonStep:
+    """The Triton kernels' view of a step, int32 tensors on the device (runner: one copy from the host)."""
+
+    slots: torch.Tensor  # [num_tokens]
+    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks]
+    decode_context_lens: torch.Tensor  # [num_decodes]
+    decode_splits: int  # splits of each decoding sequence's blocks (flash-decoding)
+    tile_chunks: torch.Tensor  # [num_tiles] the prefill chunk of each tile of query rows
+    tile_rows: torch.Tensor  # [num_tiles] its first row within the chunk
+    chunk_offsets: torch.Tensor  # [num_chunks] first token of each chunk in the flattened batch
+    chunk_lens: torch.Tensor  # [num_chunks]
+    chunk_starts: torch.Tensor  # [num_chunks] tokens of its sequence cached before it
+    chunk_block_tables: torch.Tensor  # [num_chunks, max_blocks]
 
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -88,6 +111,8 @@ def attend(meta: AttentionMetadata, layer: int, query: torch.Tensor, key: torch.
     [num_tokens, num_kv_heads, head_dim] (the step's new tokens, decodes first). Writes key and value
     into the paged cache, returns [num_tokens, num_heads, head_dim]."""
     k_cache, v_cache = meta.k_caches[layer], meta.v_caches[layer]
+    if meta.triton is not None:
+        return _attend_triton(meta.triton, query, key, value, k_cache, v_cache, scale)
     num_tokens, num_heads, head_dim = query.shape
     write_kv(meta, key, value, k_cache, v_cache)
 
@@ -143,8 +168,27 @@ def write_kv(meta: AttentionMetadata, key: torch.Tensor, value: torch.Tensor, k_
                  v_cache=v_cache.data_ptr(), num_kv_heads=num_kv_heads, head_dim=head_dim,
                  block_size=v_cache.shape[2], num_threads=meta.num_threads)
         return
-    k_cache[meta.slot_blocks, :, :, meta.slot_offsets] = key.reshape(*key.shape[:2], -1, k_cache.shape[-1])
+    if k_cache.dim() == 4:
+        k_cache[meta.slot_blocks, :, meta.slot_offsets] = key
+    else:
+        k_cache[meta.slot_blocks, :, :, meta.slot_offsets] = key.reshape(*key.shape[:2], -1, k_cache.shape[-1])
     v_cache[meta.slot_blocks, :, meta.slot_offsets] = value
+
+
+def _attend_triton(step: TritonStep, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+    """The step's KV write, decode and prefill attention in three launches (triton_attention.py)."""
+    from bulkgen.engine import triton_attention
+
+    triton_attention.write_kv(key, value, step.slots, k_cache, v_cache)
+    out = torch.empty_like(query)
+    num_decodes = step.decode_context_lens.shape[0]
+    if num_decodes:
+        out[:num_decodes] = triton_attention.decode(query[:num_decodes], k_cache, v_cache, step.decode_block_tables,
+                                                    step.decode_context_lens, scale, step.decode_splits)
+    triton_attention.prefill(query.contiguous(), k_cache, v_cache, out, step.tile_chunks, step.tile_rows,
+                             step.chunk_offsets, step.chunk_lens, step.chunk_starts, step.chunk_block_tables, scale)
+    return out
 
 
 def decode_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -153,8 +197,11 @@ def decode_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     num_seqs, max_blocks = block_tables.shape
     _, num_kv_heads, block_size, head_dim = v_cache.shape
     index = block_tables.long()
-    # K [seqs, blocks, kv_heads, d / P, block_size, P] -> [seqs, kv_heads, blocks * block_size, d]
-    k = k_cache[index].permute(0, 2, 1, 4, 3, 5).reshape(num_seqs, num_kv_heads, max_blocks * block_size, head_dim)
+    if k_cache.dim() == 4:  # [blocks, kv_heads, block_size, head_dim], as V
+        k = k_cache[index].transpose(1, 2).reshape(num_seqs, num_kv_heads, max_blocks * block_size, head_dim)
+    else:  # [seqs, blocks, kv_heads, d / P, block_size, P] -> [seqs, kv_heads, blocks * block_size, d]
+        k = k_cache[index].permute(0, 2, 1, 4, 3, 5).reshape(num_seqs, num_kv_heads, max_blocks * block_size,
+                                                              head_dim)
     v = v_cache[index].transpose(1, 2).reshape(num_seqs, num_kv_heads, max_blocks * block_size, head_dim)
     positions = torch.arange(max_blocks * block_size, device=q.device)
     mask = (positions[None, :] < context_lens[:, None].to(q.device))[:, None, None, :]  # [seqs, 1, 1, ctx]

@@ -16,7 +16,7 @@ transformers' attention interface, which is exact for any model that uses it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -254,13 +254,13 @@ class LlamaForward:
     """forward(input_ids [T], positions [T], keep [K], meta) -> logits [K, vocab] in the model's dtype.
     Each kernel family (linear layers, the gated MLP input, the small ops) runs in C or torch as `paths` says."""
 
-    def __init__(self, model: torch.nn.Module, paths: CpuPaths, pack: bool) -> None:
+    def __init__(self, model: torch.nn.Module, paths: CpuPaths, pack: bool, ops: Any = None) -> None:
         inner = model.model
         self.embed = inner.embed_tokens
         self.rotary = inner.rotary_emb
         self.final_norm = inner.norm.weight.detach()
         self.final_eps = inner.norm.variance_epsilon
-        self.ops = Ops(paths.c("small_ops"), self.final_norm.dtype)
+        self.ops = ops or Ops(paths.c("small_ops"), self.final_norm.dtype)  # or TritonOps, on a GPU
         self.layers = [_Layer(layer, pack, paths.c("linear"), paths.c("gated_mlp"), self.ops) for layer in inner.layers]
         head = model.lm_head
         self.lm_head = Linear(head.weight.detach(), None if head.bias is None else head.bias.detach(), pack,
@@ -293,8 +293,9 @@ class LlamaForward:
         return self.lm_head(x)
 
 
-def make_forward(model: torch.nn.Module, paths: CpuPaths, pack: bool) -> Callable[..., torch.Tensor] | None:
+def make_forward(model: torch.nn.Module, paths: CpuPaths, pack: bool,
+                 ops: Any = None) -> Callable[..., torch.Tensor] | None:
     """The lean forward for this model, or None where it must run through Hugging Face's modules."""
     if unsupported_reason(model) is not None:
         return None
-    return LlamaForward(model, paths, pack)
+    return LlamaForward(model, paths, pack, ops)

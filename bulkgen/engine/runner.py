@@ -44,10 +44,18 @@ class ModelRunner:
                 torch.set_num_threads(config.num_threads)
             _keep_freed_memory()
         self.model = _load(model, self.dtype, self.device)
+        # Triton kernels for attention, the KV write and the small ops: on a GPU, or (tests) in Triton's CPU
+        # interpreter when asked for
+        self.use_triton = _use_triton(self.device, config.attention_backend)
         self.paths = self._choose_paths()
         self.kernel = self.paths.kernel
-        self.ops = forward.Ops(self.paths.c("small_ops"), self.dtype)
-        self.forward = forward.make_forward(self.model, self.paths, config.pack_weights) \
+        if self.use_triton:
+            from bulkgen.engine.triton_ops import TritonOps
+
+            self.ops = TritonOps()
+        else:
+            self.ops = forward.Ops(self.paths.c("small_ops"), self.dtype)
+        self.forward = forward.make_forward(self.model, self.paths, config.pack_weights, self.ops) \
             if config.fast_forward else None
         self.packed_linears = 0
         if self.forward is None and config.pack_weights and self.device.type == "cpu" and self.dtype != torch.float16:
@@ -57,6 +65,9 @@ class ModelRunner:
         self.num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
         self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         self.block_size = config.block_size
+        if self.use_triton and self.block_size < triton_min_block():
+            raise ConfigError(f"the Triton kernels take KV blocks of at least {triton_min_block()} tokens (tensor-core "
+                              f"tiles); got --block-size {self.block_size}")
         element = torch.empty((), dtype=self.dtype).element_size()
         self.kv_bytes_per_token = 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
         budget = self._kv_budget()
@@ -67,13 +78,14 @@ class ModelRunner:
                               f"anything; give at least {MIN_KV_BLOCKS * self.block_size * self.kv_bytes_per_token} "
                               "bytes with --kv-cache-memory")
         # One allocation, never grown: [K|V, layer, block, kv_head, row, head_dim]. Head-major blocks keep
-        # one head's part of a block contiguous, which is how decode attention reads them; K is stored
-        # transposed within its block ([head_dim, row], dims in pairs for 2-byte types) so that decode
-        # scores 16 tokens per vector (attention.k_block_shape).
+        # one head's part of a block contiguous, which is how decode attention reads them; for the CPU
+        # kernels K is stored transposed within its block ([head_dim, row], dims in pairs for 2-byte types)
+        # so that decode scores 16 tokens per vector (attention.k_block_shape); Triton reads K as V.
         shape = (self.num_layers, self.num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
         self.kv_cache = _zeros_on_huge_pages((2, *shape), self.dtype, self.device)
         self.kv_cache_bytes = self.kv_cache.numel() * element
-        k_shape = attention.k_block_shape(self.num_kv_heads, self.head_dim, self.block_size, self.dtype)
+        k_shape = attention.k_block_shape(self.num_kv_heads, self.head_dim, self.block_size, self.dtype,
+                                          transposed=not self.use_triton)
         self._k_caches = list(self.kv_cache[0].view(*shape[:2], *k_shape))
         self._v_caches = list(self.kv_cache[1])
         # Whether prefill attention runs in our C kernel (it reads each chunk's context from the blocks itself)
@@ -110,7 +122,9 @@ class ModelRunner:
             positions.extend(range(start, start + n))
             context_slots = _slots(seq.block_table, bs, 0, start + n)  # the chunk's and its context's
             slots.extend(context_slots[start:].tolist())
-            if self.prefill_in_c:
+            if self.use_triton:
+                chunk.block_table = seq.block_table  # a list: gpu_step packs it with the rest
+            elif self.prefill_in_c:
                 chunk.block_table = torch.tensor(seq.block_table, dtype=torch.int32)
             elif start:
                 chunk.context_blocks = torch.from_numpy(context_slots // bs).to(self.device)
@@ -137,6 +151,17 @@ class ModelRunner:
 
     def _metadata(self, decodes: list[ScheduledSeq], slots: list[int],
                   chunks: list[attention.PrefillChunk]) -> attention.AttentionMetadata:
+        if self.use_triton:
+            from bulkgen.engine.gpu_step import triton_step
+
+            group = self.model.config.num_attention_heads // self.num_kv_heads
+            step = triton_step(slots, [s.seq.block_table for s in decodes],
+                               [s.seq.num_computed_tokens + 1 for s in decodes],
+                               [(c.offset, c.num_tokens, c.start, c.block_table) for c in chunks], self.device,
+                               self.num_kv_heads, group)
+            return attention.AttentionMetadata(self._k_caches, self._v_caches, step.slots, step.slots, step.slots,
+                                               len(decodes), step.decode_block_tables, step.decode_context_lens, 0,
+                                               triton=step)
         num_decodes = len(decodes)
         max_blocks = max((len(s.seq.block_table) for s in decodes), default=0)
         tables = np.zeros((num_decodes, max_blocks), dtype=np.int32)
@@ -162,6 +187,8 @@ class ModelRunner:
         config = self.config
         if self.device.type != "cpu":
             return cpu_paths.CpuPaths.torch_only(f"not on a CPU ({self.device})")
+        if self.use_triton:
+            return cpu_paths.CpuPaths.torch_only("Triton kernels in the interpreter (--attention-backend triton)")
         if config.attention_backend == "torch":
             paths = cpu_paths.CpuPaths.torch_only("forced by --attention-backend torch")
         else:
@@ -277,6 +304,30 @@ def _slots(block_table: list[int], block_size: int, start: int, end: int) -> np.
     positions = np.arange(start, end)
     table = np.asarray(block_table, dtype=np.int64)
     return table[positions // block_size] * block_size + positions % block_size
+
+
+def triton_min_block() -> int:
+    from bulkgen.engine.triton_attention import MIN_DOT
+
+    return MIN_DOT
+
+
+def _use_triton(device: torch.device, backend: str) -> bool:
+    """Triton on a GPU (unless --attention-backend torch); on CPU only when asked, in the interpreter."""
+    if backend == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise ConfigError("--attention-backend triton runs Triton's GPU kernels; on a CPU only in Triton's "
+                          "interpreter (TRITON_INTERPRET=1, for tests): use auto, kernel or torch here")
+    wanted = backend == "triton" or (device.type == "cuda" and backend == "auto")
+    if not wanted:
+        return False
+    try:
+        import triton  # noqa: F401  (ships with every CUDA build of torch)
+    except ImportError as exc:
+        if backend == "triton":
+            raise ConfigError("--attention-backend triton needs the triton package (pip install triton)") from exc
+        log.warning("bulkgen: triton is not installed; attention runs in torch (slower on a GPU)")
+        return False
+    return True
 
 
 def _device(name: str) -> torch.device:

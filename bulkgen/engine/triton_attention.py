@@ -1,0 +1,256 @@
+"""Paged attention and the KV write in Triton, for GPUs (and, for tests, Triton's CPU interpreter).
+
+KV layout on this path: K and V alike, per layer [num_blocks, num_kv_heads, block_size, head_dim] (a
+head's part of a block is one contiguous [block_size, head_dim] tile; the CPU kernels' transposed K is
+theirs alone).
+
+Decode: one program per (sequence, KV head, split of its blocks). The program loads each K/V block of its
+KV head once for all the query heads sharing it (GQA): the group's queries are the rows of one tile,
+padded to 16 for tensor-core dots. Long contexts are split over several programs (flash-decoding), each
+leaving a partial max, sum and weighted value; a second kernel combines the splits.
+
+Prefill: every prefill chunk of a step in one launch. One program per (tile of query rows of a chunk, KV
+head), the tile's rows times the group's heads as one [rows x heads, head_dim] block of queries, walking
+the sequence's blocks through its block table up to the tile's last position, causal by position: the
+chunk's own K/V (written just before) and whatever was cached before it (chunked prefill, prefix hits,
+recompute) are read alike.
+
+Triton's interpreter (TRITON_INTERPRET=1) runs these on CPU tensors for tests, with one difference: it
+computes bfloat16 dot products wrongly (triton 3.9), so there the operands go to float32 first (the same
+products, exact in float32; only the summation order may differ).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # as triton reads it
+MIN_DOT = 16  # tensor-core dots need 16 rows
+
+
+@triton.jit
+def _dot(a, b, F32: tl.constexpr):
+    if F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _write_kv_kernel(key, value, slots, k_cache, v_cache, num_tokens, k_token_stride, k_head_stride, v_token_stride,
+                     v_head_stride, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                     D_PAD: tl.constexpr, BLOCK_T: tl.constexpr):
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    head = tl.program_id(1)
+    d = tl.arange(0, D_PAD)
+    mask = (tokens < num_tokens)[:, None] & (d < HEAD_DIM)[None, :]
+    slot = tl.load(slots + tokens, mask=tokens < num_tokens, other=0).to(tl.int64)
+    dst = ((slot // BLOCK_SIZE * NUM_KV_HEADS + head) * BLOCK_SIZE + slot % BLOCK_SIZE)[:, None] * HEAD_DIM + d[None, :]
+    k = tl.load(key + tokens[:, None] * k_token_stride + head * k_head_stride + d[None, :], mask=mask)
+    v = tl.load(value + tokens[:, None] * v_token_stride + head * v_head_stride + d[None, :], mask=mask)
+    tl.store(k_cache + dst, k, mask=mask)
+    tl.store(v_cache + dst, v, mask=mask)
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
+             v_cache: torch.Tensor) -> None:
+    """key, value [num_tokens, num_kv_heads, head_dim] (head_dim contiguous) into their slots (int)."""
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    block_t = 16
+    _write_kv_kernel[(triton.cdiv(num_tokens, block_t), num_kv_heads)](
+        key, value, slots, k_cache, v_cache, num_tokens, key.stride(0), key.stride(1), value.stride(0),
+        value.stride(1), NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[2],
+        D_PAD=triton.next_power_of_2(head_dim), BLOCK_T=block_t)
+
+
+@triton.jit
+def _decode_kernel(q, k_cache, v_cache, block_tables, table_stride, context_lens, out, part_acc, part_ml, scale,
+                   blocks_per_split, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
+                   G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                   NUM_SPLITS: tl.constexpr, DOT_F32: tl.constexpr):
+    seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, D_PAD)
+    r = tl.arange(0, BLOCK_SIZE)
+    head_ok = g < GROUP
+    d_ok = d < HEAD_DIM
+    heads = kv_head * GROUP + g
+    qt = tl.load(q + (seq * NUM_HEADS + heads[:, None]) * HEAD_DIM + d[None, :],
+                 mask=head_ok[:, None] & d_ok[None, :], other=0.0)  # [G_PAD, D_PAD]
+    context = tl.load(context_lens + seq)
+    first = split * blocks_per_split
+    last = tl.minimum(first + blocks_per_split, tl.cdiv(context, BLOCK_SIZE))
+    m = tl.full([G_PAD], float("-inf"), tl.float32)
+    total = tl.zeros([G_PAD], tl.float32)  # the softmax's running sum
+    acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+    for b in range(first, last):
+        block = tl.load(block_tables + seq * table_stride + b).to(tl.int64)
+        base = (block * NUM_KV_HEADS + kv_head) * BLOCK_SIZE * HEAD_DIM
+        kv_offsets = base + r[:, None] * HEAD_DIM + d[None, :]
+        k = tl.load(k_cache + kv_offsets, mask=d_ok[None, :], other=0.0)  # [BLOCK_SIZE, D_PAD]
+        v = tl.load(v_cache + kv_offsets, mask=d_ok[None, :], other=0.0)
+        s = _dot(qt, tl.trans(k), DOT_F32) * scale  # [G_PAD, BLOCK_SIZE]
+        s = tl.where((b * BLOCK_SIZE + r)[None, :] < context, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        total = total * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_F32)
+        m = m_new
+    if NUM_SPLITS == 1:
+        o = acc / total[:, None]
+        tl.store(out + (seq * NUM_HEADS + heads[:, None]) * HEAD_DIM + d[None, :], o.to(out.dtype.element_ty),
+                 mask=head_ok[:, None] & d_ok[None, :])
+    else:
+        part = (seq * NUM_KV_HEADS + kv_head) * NUM_SPLITS + split
+        tl.store(part_acc + (part * G_PAD + g[:, None]) * D_PAD + d[None, :], acc)
+        tl.store(part_ml + (part * 2) * G_PAD + g, m)
+        tl.store(part_ml + (part * 2 + 1) * G_PAD + g, total)
+
+
+@triton.jit
+def _combine_kernel(out, part_acc, part_ml, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                    GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                    NUM_SPLITS: tl.constexpr):
+    seq, kv_head = tl.program_id(0), tl.program_id(1)
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, D_PAD)
+    first = (seq * NUM_KV_HEADS + kv_head) * NUM_SPLITS
+    m_all = tl.full([G_PAD], float("-inf"), tl.float32)
+    for i in range(NUM_SPLITS):
+        m_all = tl.maximum(m_all, tl.load(part_ml + ((first + i) * 2) * G_PAD + g))
+    total = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+    for i in range(NUM_SPLITS):
+        m = tl.load(part_ml + ((first + i) * 2) * G_PAD + g)
+        w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_all))  # a split with no block weighs nothing
+        total += w * tl.load(part_ml + ((first + i) * 2 + 1) * G_PAD + g)
+        acc += w[:, None] * tl.load(part_acc + ((first + i) * G_PAD + g[:, None]) * D_PAD + d[None, :])
+    heads = kv_head * GROUP + g
+    tl.store(out + (seq * NUM_HEADS + heads[:, None]) * HEAD_DIM + d[None, :], (acc / total[:, None]).to(
+        out.dtype.element_ty), mask=(g < GROUP)[:, None] & (d < HEAD_DIM)[None, :])
+
+
+def decode_splits(num_seqs: int, num_kv_heads: int, max_blocks: int, num_programs: int = 256) -> int:
+    """Splits of each sequence's blocks so that about `num_programs` programs run (the GPU's SMs a few times
+    over), at least 4 blocks a split, at most 64 splits."""
+    if max_blocks <= 4:
+        return 1
+    wanted = triton.cdiv(num_programs, max(1, num_seqs * num_kv_heads))
+    return max(1, min(wanted, triton.cdiv(max_blocks, 4), 64))
+
+
+def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+           context_lens: torch.Tensor, scale: float, num_splits: int | None = None) -> torch.Tensor:
+    """Decode attention: q [num_seqs, num_heads, head_dim]; block_tables [num_seqs, max_blocks] and
+    context_lens [num_seqs] (int32); returns [num_seqs, num_heads, head_dim] in q's dtype."""
+    num_seqs, num_heads, head_dim = q.shape
+    _, num_kv_heads, block_size, _ = k_cache.shape
+    out = torch.empty_like(q)
+    if num_seqs == 0:
+        return out
+    group = num_heads // num_kv_heads
+    g_pad = max(MIN_DOT, triton.next_power_of_2(group))
+    d_pad = max(MIN_DOT, triton.next_power_of_2(head_dim))
+    max_blocks = block_tables.shape[1]
+    splits = num_splits or decode_splits(num_seqs, num_kv_heads, max_blocks)
+    blocks_per_split = triton.cdiv(max_blocks, splits)
+    part_acc = torch.empty((num_seqs, num_kv_heads, splits, g_pad, d_pad) if splits > 1 else (1,),
+                           dtype=torch.float32, device=q.device)
+    part_ml = torch.empty((num_seqs, num_kv_heads, splits, 2, g_pad) if splits > 1 else (1,), dtype=torch.float32,
+                          device=q.device)
+    q = q.contiguous()
+    _decode_kernel[(num_seqs, num_kv_heads, splits)](
+        q, k_cache, v_cache, block_tables, block_tables.stride(0), context_lens, out, part_acc, part_ml, scale,
+        blocks_per_split, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, G_PAD=g_pad,
+        HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size, NUM_SPLITS=splits, DOT_F32=INTERPRET)
+    if splits > 1:
+        _combine_kernel[(num_seqs, num_kv_heads)](out, part_acc, part_ml, NUM_HEADS=num_heads,
+                                                  NUM_KV_HEADS=num_kv_heads, GROUP=group, G_PAD=g_pad,
+                                                  HEAD_DIM=head_dim, D_PAD=d_pad, NUM_SPLITS=splits)
+    return out
+
+
+@triton.jit
+def _prefill_kernel(q, k_cache, v_cache, out, tile_chunks, tile_rows, chunk_offsets, chunk_lens, chunk_starts,
+                    block_tables, table_stride, scale, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                    GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, DOT_F32: tl.constexpr):
+    tile, kv_head = tl.program_id(0), tl.program_id(1)
+    chunk = tl.load(tile_chunks + tile)
+    row0 = tl.load(tile_rows + tile)  # first query row of the tile within its chunk
+    offset = tl.load(chunk_offsets + chunk)  # the chunk's first token in the step's flattened batch
+    length = tl.load(chunk_lens + chunk)
+    start = tl.load(chunk_starts + chunk)  # tokens of the sequence cached before the chunk
+    i = tl.arange(0, BLOCK_M * G_PAD)  # rows of the query block: query row i // G_PAD, head i % G_PAD
+    qi = row0 + i // G_PAD
+    g = i % G_PAD
+    d = tl.arange(0, D_PAD)
+    r = tl.arange(0, BLOCK_SIZE)
+    row_ok = (qi < length) & (g < GROUP)
+    d_ok = d < HEAD_DIM
+    q_offsets = ((offset + qi) * NUM_HEADS + kv_head * GROUP + g)[:, None] * HEAD_DIM + d[None, :]
+    qt = tl.load(q + q_offsets, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    position = start + qi  # each query row's position in its sequence
+    m = tl.full([BLOCK_M * G_PAD], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_M * G_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_M * G_PAD, D_PAD], tl.float32)
+    last_position = start + tl.minimum(row0 + BLOCK_M, length) - 1
+    for b in range(0, last_position // BLOCK_SIZE + 1):
+        block = tl.load(block_tables + chunk * table_stride + b).to(tl.int64)
+        kv_offsets = (block * NUM_KV_HEADS + kv_head) * BLOCK_SIZE * HEAD_DIM + r[:, None] * HEAD_DIM + d[None, :]
+        k = tl.load(k_cache + kv_offsets, mask=d_ok[None, :], other=0.0)
+        v = tl.load(v_cache + kv_offsets, mask=d_ok[None, :], other=0.0)
+        s = _dot(qt, tl.trans(k), DOT_F32) * scale  # [rows, BLOCK_SIZE]
+        visible = (b * BLOCK_SIZE + r)[None, :] <= position[:, None]
+        s = tl.where(visible & row_ok[:, None], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet stay empty
+        alpha = tl.exp(m - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        total = total * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_F32)
+        m = m_new
+    o = acc / tl.where(total == 0.0, 1.0, total)[:, None]
+    tl.store(out + q_offsets, o.to(out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+def prefill_tiles(chunk_lens: list[int], block_m: int) -> tuple[list[int], list[int]]:
+    """The (chunk, first row) of each tile of block_m query rows, in chunk order."""
+    chunks, rows = [], []
+    for c, n in enumerate(chunk_lens):
+        for row in range(0, n, block_m):
+            chunks.append(c)
+            rows.append(row)
+    return chunks, rows
+
+
+def prefill_block_m(group: int) -> int:
+    """Query rows a prefill tile takes: rows x padded group about 64 (a tile's worth of tensor-core rows)."""
+    return max(1, 64 // triton.next_power_of_2(group))
+
+
+def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+            tile_chunks: torch.Tensor, tile_rows: torch.Tensor, chunk_offsets: torch.Tensor,
+            chunk_lens: torch.Tensor, chunk_starts: torch.Tensor, block_tables: torch.Tensor, scale: float) -> None:
+    """Attention of every prefill chunk of a step, in one launch, into `out` (rows of q's shape).
+    q, out: [num_tokens, num_heads, head_dim] (the step's flattened tokens); per chunk (int32): its offset in
+    them, its length, the tokens cached before it, its block table row; tiles from prefill_tiles."""
+    num_tiles = tile_chunks.shape[0]
+    if num_tiles == 0:
+        return
+    _, num_heads, head_dim = q.shape
+    _, num_kv_heads, block_size, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    g_pad = triton.next_power_of_2(group)
+    block_m = prefill_block_m(group)
+    _prefill_kernel[(num_tiles, num_kv_heads)](
+        q, k_cache, v_cache, out, tile_chunks, tile_rows, chunk_offsets, chunk_lens, chunk_starts, block_tables,
+        block_tables.stride(0), scale, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, G_PAD=g_pad,
+        HEAD_DIM=head_dim, D_PAD=max(MIN_DOT, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size,
+        BLOCK_M=block_m, DOT_F32=INTERPRET)

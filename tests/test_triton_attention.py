@@ -1,0 +1,131 @@
+"""The Triton kernels (paged decode and prefill attention, the KV write) against plain torch, run by
+Triton's interpreter on the CPU (TRITON_INTERPRET=1, set in conftest): block sizes, GQA ratios, head dims
+that are not powers of two, ragged context lengths, split contexts, chunks after cached tokens, several
+chunks in one launch, float32 and bfloat16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+triton_attention = pytest.importorskip("bulkgen.engine.triton_attention")
+
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
+
+
+def _cache(num_blocks: int, kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype):
+    k = torch.randn(num_blocks, kv_heads, block_size, head_dim).to(dtype)
+    v = torch.randn(num_blocks, kv_heads, block_size, head_dim).to(dtype)
+    return k, v
+
+
+def _reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+               positions: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [rows, heads, d] of one sequence at `positions`, attending causally to its blocks (float64)."""
+    block_size = k_cache.shape[2]
+    length = int(positions.max()) + 1
+    idx = torch.arange(length)
+    k = k_cache[table.long()[idx // block_size], :, idx % block_size].double()  # [length, kv_heads, d]
+    v = v_cache[table.long()[idx // block_size], :, idx % block_size].double()
+    mask = idx[None, :] <= positions[:, None]  # [rows, length]
+    o = F.scaled_dot_product_attention(q.double().transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                       attn_mask=mask, scale=scale, enable_gqa=True)
+    return o.transpose(0, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    num_blocks, kv_heads, block_size, head_dim, tokens = 6, 3, 16, 80, 13
+    slots = torch.randperm(num_blocks * block_size)[:tokens]
+    key = torch.randn(kv_heads, tokens, head_dim).to(dtype).transpose(0, 1)  # strided, like a view of qkv
+    value = torch.randn(tokens, kv_heads, head_dim).to(dtype)
+    k, v = (torch.zeros(num_blocks, kv_heads, block_size, head_dim, dtype=dtype) for _ in range(2))
+    triton_attention.write_kv(key, value, slots.int(), k, v)
+    want_k, want_v = torch.zeros_like(k), torch.zeros_like(v)
+    want_k[slots // block_size, :, slots % block_size] = key
+    want_v[slots // block_size, :, slots % block_size] = value
+    assert torch.equal(k, want_k) and torch.equal(v, want_v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group,head_dim,block_size", [(1, 64, 16), (3, 64, 32), (8, 80, 16)])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_matches_torch(dtype: torch.dtype, group: int, head_dim: int, block_size: int, splits: int) -> None:
+    torch.manual_seed(group * 100 + head_dim + splits)
+    kv_heads, num_blocks, seqs, max_blocks = 2, 24, 3, 6
+    k, v = _cache(num_blocks, kv_heads, block_size, head_dim, dtype)
+    tables = torch.randperm(num_blocks)[:seqs * max_blocks].view(seqs, max_blocks).int()
+    lens = torch.tensor([1, block_size + 3, max_blocks * block_size], dtype=torch.int32)
+    q = torch.randn(seqs, kv_heads * group, head_dim).to(dtype)
+    scale = head_dim ** -0.5
+    got = triton_attention.decode(q, k, v, tables, lens, scale, num_splits=splits)
+    assert got.dtype == dtype and got.shape == q.shape
+    for i in range(seqs):
+        want = _reference(q[i:i + 1], k, v, tables[i], torch.tensor([int(lens[i]) - 1]), scale)
+        assert torch.allclose(got[i:i + 1].double(), want, atol=TOLERANCE[dtype]), (got[i] - want[0]).abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group,head_dim,block_size", [(1, 64, 16), (3, 64, 32), (4, 80, 16)])
+def test_prefill_chunks_in_one_launch_match_torch(dtype: torch.dtype, group: int, head_dim: int,
+                                                  block_size: int) -> None:
+    """Three chunks in one launch: a fresh prompt, a chunk after cached tokens longer than itself, and one
+    after a short cached prefix; decode tokens sit before them in the flattened batch (untouched)."""
+    torch.manual_seed(group + head_dim)
+    kv_heads, num_blocks = 2, 32
+    k, v = _cache(num_blocks, kv_heads, block_size, head_dim, dtype)
+    chunks = [(0, 37), (2 * block_size + 5, 9), (3, 20)]  # (cached tokens before, chunk length)
+    max_blocks = max(-(-(s + n) // block_size) for s, n in chunks)
+    tables = torch.randperm(num_blocks)[:len(chunks) * max_blocks].view(len(chunks), max_blocks).int()
+    num_decodes = 2
+    offsets, offset = [], num_decodes
+    for _, n in chunks:
+        offsets.append(offset)
+        offset += n
+    q = torch.randn(offset, kv_heads * group, head_dim).to(dtype)
+    out = torch.full_like(q, 7.0)
+    block_m = triton_attention.prefill_block_m(group)
+    tile_chunks, tile_rows = triton_attention.prefill_tiles([n for _, n in chunks], block_m)
+    as_int = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
+    scale = head_dim ** -0.5
+    triton_attention.prefill(q, k, v, out, as_int(tile_chunks), as_int(tile_rows), as_int(offsets),
+                             as_int([n for _, n in chunks]), as_int([s for s, _ in chunks]), tables, scale)
+    assert torch.equal(out[:num_decodes], torch.full_like(out[:num_decodes], 7.0)), "decode rows are not its"
+    for c, (start, n) in enumerate(chunks):
+        rows = slice(offsets[c], offsets[c] + n)
+        want = _reference(q[rows], k, v, tables[c], torch.arange(start, start + n), scale)
+        assert torch.allclose(out[rows].double(), want, atol=TOLERANCE[dtype]), (out[rows].double() - want).abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_small_ops_match_hugging_faces_torch_code(dtype: torch.dtype) -> None:
+    """RMSNorm (+ residual, in place), RoPE (in place, q's and k's heads of a fused qkv) and SiLU-mul in
+    Triton against forward.Ops' torch path (Hugging Face's code): bfloat16 rounded at the same points."""
+    from bulkgen.engine.forward import Ops
+    from bulkgen.engine.triton_ops import TritonOps
+
+    torch.manual_seed(3)
+    ops, ref = TritonOps(), Ops(None, dtype)
+    x = (torch.randn(7, 96) * 3).to(dtype)
+    residual, weight = torch.randn(7, 96).to(dtype), (torch.rand(96) + 0.5).to(dtype)
+    x_ref = x.clone()
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1 / 64, atol=1e-2)
+    torch.testing.assert_close(ops.add_rms_norm(x, residual, weight, 1e-5), ref.add_rms_norm(x_ref, residual, weight,
+                                                                                            1e-5), **tol)
+    assert torch.equal(x, x_ref), "the residual is added in place, rounded as torch's add"
+    torch.testing.assert_close(ops.add_rms_norm(x, None, weight, 1e-5), ref.add_rms_norm(x, None, weight, 1e-5), **tol)
+    heads, kv_heads, head_dim, tokens = 4, 2, 48, 5
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim).to(dtype)
+    angles = torch.rand(tokens, head_dim // 2) * 50
+    cos, sin = (torch.cat([f(angles)] * 2, dim=-1).to(dtype) for f in (torch.cos, torch.sin))
+    want = qkv.clone()
+    rotated = want[:, :(heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim)
+    from bulkgen.engine.forward import rotate
+
+    rotated.copy_(rotate(rotated.clone(), cos, sin))
+    assert ops.rope(qkv, heads + kv_heads, head_dim, cos, sin) is qkv
+    torch.testing.assert_close(qkv, want, **tol)
+    gate_up = (torch.randn(6, 2 * 1500) * 4).to(dtype)
+    torch.testing.assert_close(ops.silu_mul(gate_up), ref.silu_mul(gate_up), **tol)
