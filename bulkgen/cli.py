@@ -242,7 +242,8 @@ def engine_options(func: Callable) -> Callable:
         click.option("--block-size", type=int, default=default.block_size, show_default=True,
                      help="Tokens per KV block."),
         click.option("--attention-backend", type=click.Choice(ATTENTION_BACKENDS), default=default.attention_backend,
-                     show_default=True, help="kernel: bulkgen's C paged attention (CPU); torch: pure torch."),
+                     show_default=True, help="kernel: bulkgen's C kernels (CPU); torch: pure torch; triton: the "
+                                             "Triton kernels (a GPU's default; on a CPU only in Triton's interpreter)."),
         click.option("--kernels", default=default.kernels, envvar="BULKGEN_KERNELS", show_default=True, metavar="SPEC",
                      help="CPU path of each kernel family (linear, gated_mlp, decode_attention, prefill_attention, "
                           "small_ops): auto (the faster, measured once on this machine), c, torch, or pairs such "
@@ -378,6 +379,14 @@ def export(job_id: int, output: Path, include_inputs: bool, input_path: Path | N
 @cli.command(context_settings=CONTEXT)
 @click.argument("workload", type=click.Path(path_type=Path), required=False)
 @click.option("--synthetic", type=int, help="Instead of a file: N synthetic requests (prompts 60..1400 tokens).")
+@click.option("--suite", type=click.Choice(["gpu"]),
+              help="Instead of a workload: the GPU suite (random-weight models of three sizes, bfloat16, 1,024 "
+                   "synthetic requests; bulkgen against transformers' generate_batch and static batches).")
+@click.option("--suite-models", default=",".join(("smollm2-135m", "llama-3.2-1b", "llama-3.1-8b")), show_default=True,
+              help="The suite's models, comma-separated (also: tiny, for a smoke run on a CPU).")
+@click.option("--suite-requests", type=int, default=1024, show_default=True,
+              help="Requests bulkgen runs in the suite (its peers run --suite-peer-requests of them).")
+@click.option("--suite-peer-requests", type=int, default=128, show_default=True)
 @click.option("--make-workload", "make_workload", type=int, metavar="N",
               help="Write the benchmarks' workload of N requests to WORKLOAD (with --seed, for --model) and stop.")
 @click.option("--limit", type=int, help="Only the first N rows of the workload file.")
@@ -403,8 +412,8 @@ def export(job_id: int, output: Path, include_inputs: bool, input_path: Path | N
 @click.option("--reference", help="Engine (as named in the table) whose tokens the others are compared with "
                                   "(default: the first hf-* engine).")
 @engine_options
-def bench(workload: Path | None, synthetic: int | None, make_workload: int | None, limit: int | None, chat: bool,
-          max_new_tokens: int,
+def bench(workload: Path | None, synthetic: int | None, suite: str | None, suite_models: str, suite_requests: int,
+          suite_peer_requests: int, make_workload: int | None, limit: int | None, chat: bool, max_new_tokens: int,
           model: str | None, compare: str, policy: str, kv_admission: bool, hf_batch_size: str,
           vllm_python: str | None, json_path: Path | None, plot_path: Path | None, seed: int, reference: str | None,
           **engine: Any) -> None:
@@ -424,11 +433,15 @@ def bench(workload: Path | None, synthetic: int | None, make_workload: int | Non
       bulkgen bench --synthetic 32 --compare bulkgen@fifo,hf-static,bulkgen-store
       bulkgen bench w256.parquet --kv-cache-memory 360MiB --compare bulkgen@fifo@no-kv-admission
       bulkgen bench w64.parquet --compare bulkgen@torch,vllm     # the C kernels against plain torch
+      bulkgen bench --suite gpu --json gpu.json                 # one command measures a GPU
     """
     from bulkgen.bench import workload as wl
     from bulkgen.bench.run import BenchOptions, format_table, parse_engines, plot, run_bench, write_json
     from bulkgen.resolve import DEFAULT_MODEL, load_tokenizer, resolve_model
 
+    if suite is not None:
+        _bench_suite(suite_models, suite_requests, suite_peer_requests, hf_batch_size, json_path, engine)
+        return
     if (workload is None) == (synthetic is None):
         raise click.UsageError("give a workload file or --synthetic N (one of them)")
     if make_workload is not None and (workload is None or make_workload < 1):
@@ -479,6 +492,30 @@ def bench(workload: Path | None, synthetic: int | None, make_workload: int | Non
             click.echo(f"wrote {plot_path}", err=True)
         else:
             click.echo("no plot: install matplotlib (pip install bulkgen[bench])", err=True)
+
+
+def _bench_suite(models: str, num_requests: int, peer_requests: int, hf_batch_size: str, json_path: Path | None,
+                 engine: dict[str, Any]) -> None:
+    from dataclasses import asdict
+
+    from bulkgen.bench.run import child_runner
+    from bulkgen.bench.suite import SUITE_ENGINES, SUITE_MODELS, format_suite, run_suite, write_suite_json
+
+    names = [m.strip() for m in models.split(",") if m.strip()]
+    unknown = [m for m in names if m not in SUITE_MODELS]
+    if unknown or not names:
+        raise click.BadParameter(f"unknown suite model(s) {unknown}; known: {', '.join(SUITE_MODELS)}",
+                                 param_hint="--suite-models")
+    if engine["dtype"] == "float32":
+        engine["dtype"] = "bfloat16"  # the suite measures bfloat16 (a --dtype of float16 is kept)
+    config = asdict(build_engine_config(engine))
+    run = child_runner(timeout_s=3600, hf_batch_sizes=[int(b) for b in hf_batch_size.split(",")])
+    report = run_suite(names, num_requests, peer_requests, list(SUITE_ENGINES), config, run,
+                       log=lambda m: click.echo(m, err=True))
+    click.echo(format_suite(report))
+    if json_path:
+        write_suite_json(report, json_path)
+        click.echo(f"wrote {json_path}", err=True)
 
 
 # ---------------------------------------------------------------------------------------- cancel, retry

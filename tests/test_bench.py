@@ -69,3 +69,25 @@ def test_bench_peer_without_kv_admission_preempts(tmp_path: Path, tiny_model_dir
     assert all(r["all_budgets_met"] for r in engines.values())
     assert "no-kv-admission" in invoke("bench", "--synthetic", 2, "--model", tiny_model_dir,
                                        "--compare", "vllm@no-kv-admission", expect=2).output
+
+
+def test_gpu_suite_runs_on_a_cpu_with_its_tiny_model(tmp_path: Path) -> None:
+    """The suite's machinery (random-weight models from configs, synthetic workload, each engine in its own
+    process, agreement, the decode step against its roofline) on its tiny model, on a CPU."""
+    from dataclasses import asdict
+
+    from bulkgen.bench.run import child_runner
+    from bulkgen.bench.suite import SUITE_ENGINES, format_suite, run_suite, write_suite_json
+    from bulkgen.config import EngineConfig
+
+    config = asdict(EngineConfig(dtype="float32", kv_cache_memory=8 * 2**20))
+    report = run_suite(["tiny"], 5, 3, list(SUITE_ENGINES), config, child_runner(600, [4]), log=lambda m: None,
+                       prompt_tokens=(8, 40), output_tokens=(4, 12))
+    rows = {r["engine"]: r for r in report["rows"]}
+    assert set(rows) == set(SUITE_ENGINES) and not any(r.get("error") for r in rows.values()), rows
+    assert rows["bulkgen"]["num_requests"] == 5 and rows["hf-cb"]["num_requests"] == 3
+    assert all(r["identical_share"] == 1.0 for r in rows.values()), "the same seeded weights in every process"
+    assert rows["bulkgen"]["decode_step_ms"] > 0 and rows["bulkgen"]["roofline_ms"] > 0
+    assert "tiny" in format_suite(report)
+    write_suite_json(report, tmp_path / "suite.json")
+    assert "_tokens" not in (tmp_path / "suite.json").read_text()

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from bulkgen.engine.forward import GatedLinear, Linear, Ops, fused, onednn_takes, rms_norm_torch, rotate
 from tests.builds import HAS_AVX512_BF16, builds, kernel
 
-TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=1 / 64, atol=1e-2)}
+# float32: a K=576 reduction summed in another order differs by a few ulps of its largest terms (~1e-6)
+TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1 / 64, atol=1e-2)}
 
 
 def _ops(dtype: torch.dtype, build: str = "native") -> Ops:

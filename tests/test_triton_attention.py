@@ -1,7 +1,8 @@
-"""The Triton kernels (paged decode and prefill attention, the KV write) against plain torch, run by
-Triton's interpreter on the CPU (TRITON_INTERPRET=1, set in conftest): block sizes, GQA ratios, head dims
-that are not powers of two, ragged context lengths, split contexts, chunks after cached tokens, several
-chunks in one launch, float32 and bfloat16."""
+"""The Triton kernels (paged decode and prefill attention, the KV write, the small ops) against plain
+torch: block sizes, GQA ratios, head dims that are not powers of two, ragged context lengths, split
+contexts, chunks after cached tokens, several chunks in one launch, float32 and bfloat16. Run by Triton's
+interpreter on the CPU (TRITON_INTERPRET=1, set in conftest), or on a GPU where there is one and
+TRITON_INTERPRET=0 (.ci/gpu-check)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,17 @@ import torch.nn.functional as F
 triton_attention = pytest.importorskip("bulkgen.engine.triton_attention")
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
+DEVICE = "cpu" if triton_attention.INTERPRET or not torch.cuda.is_available() else "cuda"
+if DEVICE == "cuda":
+    TOLERANCE[torch.float32] = 2e-3  # tf32 tensor-core dots on a GPU
+
+
+@pytest.fixture(autouse=True)
+def _on_the_kernels_device():
+    previous = torch.get_default_device()
+    torch.set_default_device(DEVICE)
+    yield
+    torch.set_default_device(previous)
 
 
 def _cache(num_blocks: int, kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype):

@@ -24,8 +24,14 @@ def run_bulkgen(spec: dict[str, Any], workload: Workload) -> dict[str, Any]:
     from bulkgen.packing import admission_for, order
 
     config = EngineConfig(**spec["engine_config"])
-    engine = Engine(spec["model"], config, admission=admission_for(spec.get("policy", "lpt"),
-                                                                   spec.get("kv_admission", True)))
+    admission = admission_for(spec.get("policy", "lpt"), spec.get("kv_admission", True))
+    if "suite_model" in spec:  # bench --suite: random weights from a config, the same in every engine's process
+        from bulkgen.bench.suite import NullTokenizer
+
+        model = _load_model(spec)
+        engine = Engine(model, config, tokenizer=NullTokenizer(), admission=admission)
+    else:
+        engine = Engine(spec["model"], config, admission=admission)
     engine.stats.keep_steps = True
     items = order(list(range(len(workload.prompts))), spec.get("policy", "lpt"),
                   prompt_len=lambda i: len(workload.prompts[i]), max_new=lambda i: workload.max_new_tokens[i])
@@ -51,10 +57,38 @@ def run_bulkgen(spec: dict[str, Any], workload: Workload) -> dict[str, Any]:
         "kv_cache_bytes": engine.runner.kv_cache_bytes,
         "kv_cache_tokens": engine.runner.max_num_tokens,
         "steps": [[round(s.time - steps[0].time, 4), s.num_batched_tokens, s.num_decode_tokens, s.num_seqs,
-                   round(s.kv_usage, 4)] for s in steps],
-        "notes": engine.runner.paths.short(),
+                   round(s.kv_usage, 4), s.num_context_tokens] for s in steps],
+        "notes": engine.runner.paths.short() if engine.runner.device.type == "cpu" else "Triton attention",
         "cpu_paths": {name: path.use_c for name, path in engine.runner.paths.families.items()},
+        "decode": _decode_roofline(spec, engine, steps),
     }
+
+
+def _decode_roofline(spec: dict[str, Any], engine: Any, steps: list[Any]) -> dict[str, Any] | None:
+    """For bench --suite: the decode step at the largest batch against its roofline on this device."""
+    if "suite_model" not in spec or not steps:
+        return None
+    from bulkgen.bench.suite import decode_roofline, measure_device
+
+    rows = [[s.time, s.num_batched_tokens, s.num_decode_tokens, s.num_seqs, s.kv_usage, s.num_context_tokens]
+            for s in steps]
+    return decode_roofline(rows, engine.runner.model, measure_device(engine.runner.device, engine.runner.dtype))
+
+
+def _load_model(spec: dict[str, Any]) -> Any:
+    """The benchmark's model on the device the engines use (a GPU if there is one): from its directory, or for
+    bench --suite built from its config with seeded random weights."""
+    from transformers import AutoModelForCausalLM
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = TORCH_DTYPES[spec["dtype"]]
+    if "suite_model" in spec:
+        from bulkgen.bench.suite import build_model
+
+        model = build_model(spec["suite_model"], dtype, device)
+        model.generation_config.pad_token_id = 0
+        return model
+    return AutoModelForCausalLM.from_pretrained(spec["model"], dtype=dtype, attn_implementation="sdpa").to(device).eval()
 
 
 def run_bulkgen_store(spec: dict[str, Any], workload: Workload) -> dict[str, Any]:
@@ -107,10 +141,8 @@ def run_bulkgen_store(spec: dict[str, Any], workload: Workload) -> dict[str, Any
 
 def run_hf_static(spec: dict[str, Any], workload: Workload, sort: bool) -> dict[str, Any]:
     """Hugging Face generate() on left-padded static batches (file order, or sorted by prompt length)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=TORCH_DTYPES[spec["dtype"]],
-                                                 attn_implementation="sdpa").eval()
+    model = _load_model(spec)
+    model.set_attn_implementation("sdpa")
     pad = model.generation_config.pad_token_id or model.config.eos_token_id or 0
     if isinstance(pad, list):
         pad = pad[0]
@@ -133,8 +165,8 @@ def run_hf_static(spec: dict[str, Any], workload: Workload, sort: bool) -> dict[
                     prompt = workload.prompts[i]
                     ids[row, longest - len(prompt):] = torch.tensor(prompt)
                     mask[row, longest - len(prompt):] = 1
-                out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=steps,
-                                     min_new_tokens=steps, do_sample=False, pad_token_id=pad)
+                out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
+                                     max_new_tokens=steps, min_new_tokens=steps, do_sample=False, pad_token_id=pad)
                 done = time.perf_counter() - start
                 for row, i in enumerate(batch):
                     outputs[i] = out[row, longest:longest + workload.max_new_tokens[i]].tolist()
@@ -154,10 +186,10 @@ def run_hf_static(spec: dict[str, Any], workload: Workload, sort: bool) -> dict[
 
 def run_hf_cb(spec: dict[str, Any], workload: Workload) -> dict[str, Any]:
     """transformers' own continuous batching (generate_batch's manager), per-request budgets, EOS off."""
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import GenerationConfig
 
-    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=TORCH_DTYPES[spec["dtype"]],
-                                                 attn_implementation="sdpa").eval()
+    model = _load_model(spec)
+    model.set_attn_implementation("sdpa")
     config = GenerationConfig(do_sample=False, max_new_tokens=max(workload.max_new_tokens), eos_token_id=-1,
                               pad_token_id=0)
     manager = model.init_continuous_batching(generation_config=config)

@@ -119,6 +119,21 @@ def run_bench(workload: Workload, options: BenchOptions, log: Callable[[str], No
             "engine_config": options.engine_config, "machine": _machine(), "results": results}
 
 
+def child_runner(timeout_s: float, hf_batch_sizes: list[int]) -> Callable[[str, dict[str, Any]], dict[str, Any]]:
+    """run(engine, spec) -> the child's result, each engine in its own process (bench --suite)."""
+    def run(engine: str, spec: dict[str, Any]) -> dict[str, Any]:
+        with tempfile.TemporaryDirectory(prefix="bulkgen-suite-child-") as tmp:
+            spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
+            spec_path.write_text(json.dumps({**spec, "hf_batch_sizes": hf_batch_sizes}))
+            env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+            outcome = _run_child([sys.executable, "-m", "bulkgen.bench.child", str(spec_path), str(out_path)], env,
+                                 timeout_s)
+            if outcome["error"]:
+                return {"error": outcome["error"]}
+            return json.loads(out_path.read_text())
+    return run
+
+
 def _machine() -> str:
     """'CPU AVX2 + FMA, 2 cores': the kind of CPU the figures were measured on (they differ by kind), and
     what the environment narrowed (kernels built for less than the CPU has, torch capped)."""

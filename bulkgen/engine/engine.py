@@ -47,6 +47,7 @@ class StepRecord:
     num_seqs: int
     kv_usage: float  # share of KV blocks held after scheduling
     num_preempted: int
+    num_context_tokens: int = 0  # tokens the step's sequences attend to: the KV its attention reads
 
 
 @dataclass
@@ -184,7 +185,8 @@ class Engine:
         if self.stats.keep_steps:
             self.stats.steps.append(StepRecord(now, scheduled.num_batched_tokens, num_decodes,
                                                len(scheduled.scheduled), self.block_manager.usage,
-                                               len(scheduled.preempted)))
+                                               len(scheduled.preempted),
+                                               sum(s.seq.num_computed_tokens for s in scheduled.scheduled)))
         return finished
 
     def _append(self, seq: Sequence, token: int, logprob: Any) -> SequenceStatus | None:
