@@ -251,6 +251,9 @@ def engine_options(func: Callable) -> Callable:
         click.option("--num-threads", type=int, help="CPU threads for torch (default: all cores)."),
         click.option("--prefix-caching/--no-prefix-caching", default=default.enable_prefix_caching, show_default=True,
                      help="Share KV blocks of common prompt prefixes."),
+        click.option("--cuda-graphs/--no-cuda-graphs", default=default.cuda_graphs, show_default=True,
+                     help="GPU: replay decode steps as CUDA graphs captured per batch-size bucket "
+                          "(1, 2, 4, ... --max-num-seqs)."),
     ]
     for option in reversed(options):
         func = option(func)
@@ -269,7 +272,7 @@ def build_engine_config(options: dict[str, Any]):
         max_model_len=options.pop("max_model_len"), block_size=options.pop("block_size"),
         attention_backend=options.pop("attention_backend"), kernels=options.pop("kernels"),
         num_threads=options.pop("num_threads"),
-        enable_prefix_caching=options.pop("prefix_caching"),
+        enable_prefix_caching=options.pop("prefix_caching"), cuda_graphs=options.pop("cuda_graphs"),
     )
 
 

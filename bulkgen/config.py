@@ -107,6 +107,7 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads on CPU
     pack_weights: bool = True  # CPU: pack linear weights once for our C GEMM (float32, bfloat16) or oneDNN
     fast_forward: bool = True  # Llama family: our lean forward (False: always Hugging Face's modules)
+    cuda_graphs: bool = False  # GPU: replay pure-decode steps as CUDA graphs (off until measured on a GPU)
 
     def __post_init__(self) -> None:
         _check(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")

@@ -16,6 +16,7 @@ from bulkgen.config import EngineConfig, SamplingParams
 from bulkgen.engine.cpu import ALLOW_SLOW_DTYPE_ENV
 from bulkgen.engine.engine import Engine
 from bulkgen.engine.kernels import CFLAGS_ENV
+from bulkgen.errors import ConfigError
 from tests.builds import HAS_AVX512_BF16
 
 NUM_PROMPTS = 44
@@ -177,3 +178,26 @@ def test_triton_path_equals_hf_generate(models) -> None:
         outputs.update((o.request_id, o.output_token_ids) for o in engine.step())
     assert {i: outputs[i] for i in picked} == {i: expected[i][:min(WORKLOAD[i][1], 16)] for i in picked}
     assert engine.stats.num_preemptions > 0
+
+
+def test_decode_graphs_pad_to_their_bucket_and_equal_hf_generate(models) -> None:
+    """CUDA-graph decode (its static buffers, buckets and scratch-block padding; here run eagerly in Triton's
+    interpreter, as nothing can be captured without a GPU): greedy tokens equal Hugging Face's while the
+    batch shrinks through several buckets, with preemptions."""
+    pytest.importorskip("triton")
+    model_dir, expected = models["llama64"]
+    picked = [0, 3, 8, 10, 17]
+    config = EngineConfig(kv_cache_memory=337 * KV_BYTES_PER_TOKEN["llama64"], max_num_batched_tokens=64,
+                          attention_backend="triton", max_num_seqs=5, block_size=16, cuda_graphs=True)
+    engine = Engine(model_dir, config)
+    graphs = engine.runner.decode_graphs
+    assert graphs is not None and graphs.sizes == [1, 2, 4, 5] and graphs.scratch_block == engine.runner.num_blocks
+    for i in picked:
+        engine.add(i, WORKLOAD[i][0], SamplingParams(max_new_tokens=min(WORKLOAD[i][1], 16)))
+    outputs = {}
+    while engine.has_unfinished():
+        outputs.update((o.request_id, o.output_token_ids) for o in engine.step())
+    assert {i: outputs[i] for i in picked} == {i: expected[i][:min(WORKLOAD[i][1], 16)] for i in picked}
+    assert len(graphs.graphs) >= 2, "decode steps of several sizes went through their buckets"
+    with pytest.raises(ConfigError, match="needs a GPU"):
+        Engine(model_dir, EngineConfig(kv_cache_memory=2**20, cuda_graphs=True, attention_backend="torch"))

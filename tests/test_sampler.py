@@ -80,3 +80,33 @@ def test_logprobs_of_chosen_tokens_and_alternatives(engine: Engine) -> None:
         assert entry["token"] == token and entry["logprob"] <= 0
         assert entry["top"][0][0] == token  # greedy: the chosen token is the most likely
         assert [lp for _, lp in entry["top"]] == sorted((lp for _, lp in entry["top"]), reverse=True)
+
+
+def test_rows_with_different_settings_in_one_batch_keep_their_own_filters() -> None:
+    """One batched draw: each row's temperature, top-k, min-p and top-p act on that row alone."""
+    from bulkgen.engine.sampler import sample_rows
+
+    logits = torch.tensor([2.0, 1.9, 0.5, -1.0, -3.0]).repeat(4, 1)
+    params = [SamplingParams(temperature=1.0, top_k=2), SamplingParams(temperature=1.0, top_p=0.5),
+              SamplingParams(temperature=1.0, min_p=0.5), SamplingParams(temperature=5.0)]
+    generators = [torch.Generator().manual_seed(i) for i in range(4)]
+    draws: list[set[int]] = [set() for _ in params]
+    for _ in range(400):
+        for row, token in enumerate(sample_rows(logits, params, generators).tolist()):
+            draws[row].add(token)
+    assert draws[0] == {0, 1} and draws[1] <= {0, 1} and draws[2] == {0, 1} and draws[3] == {0, 1, 2, 3, 4}
+
+
+def test_repetition_penalties_of_many_rows_equal_one_row_at_a_time() -> None:
+    from bulkgen.engine.sampler import apply_repetition_penalties
+
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50)
+    seen = [[1, 2, 2, 40], [], [7]]
+    batched = logits.clone()
+    apply_repetition_penalties(batched, [0, 1, 2], seen, [1.5, 2.0, 0.5])
+    for row, (ids, penalty) in enumerate(zip(seen, [1.5, 2.0, 0.5], strict=True)):
+        want = logits[row].clone()
+        for token in set(ids):
+            want[token] = want[token] * penalty if want[token] < 0 else want[token] / penalty
+        assert torch.equal(batched[row], want)

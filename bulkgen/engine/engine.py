@@ -75,6 +75,7 @@ class Engine:
                                                                     else hf_config._name_or_path)
         context = context_length(hf_config, str(hf_config._name_or_path or type(self.runner.model).__name__))
         self.max_model_len = min(self.config.max_model_len or context, context)
+        self.runner.limit_context(self.max_model_len)
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
                                           self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens,

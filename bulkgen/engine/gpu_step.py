@@ -1,5 +1,6 @@
-"""A step's metadata for the Triton kernels, built on the host as one int32 buffer and sent to the device
-in one copy (from pinned memory on a GPU): one transfer a step instead of one per tensor."""
+"""A step's inputs and metadata for the Triton path, built on the host as one int32 buffer and sent to the
+device in one copy (from pinned memory on a GPU, without waiting for it): one transfer a step instead of one
+per tensor."""
 
 from __future__ import annotations
 
@@ -9,11 +10,14 @@ import torch
 from bulkgen.engine.attention import TritonStep
 
 
-def triton_step(slots: list[int], decode_tables: list[list[int]], decode_context_lens: list[int],
+def triton_step(input_ids: list[int], positions: list[int], keep: list[int], slots: list[int],
+                decode_tables: list[list[int]], decode_context_lens: list[int],
                 chunks: list[tuple[int, int, int, list[int]]], device: torch.device, num_kv_heads: int,
-                group: int) -> TritonStep:
-    """slots: each new token's cache slot; decode_tables, decode_context_lens: per decoding sequence; chunks:
-    per prefill chunk (offset in the batch, length, tokens cached before it, block table)."""
+                group: int) -> tuple[TritonStep, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns the step's TritonStep and its input ids, positions and sampled rows (int64 on the device).
+    keep: the rows to sample; slots: each new token's cache slot; decode_tables, decode_context_lens: per
+    decoding sequence; chunks: per prefill chunk (offset in the batch, length, tokens cached before it, block
+    table)."""
     from bulkgen.engine import triton_attention
 
     num_decodes, num_chunks = len(decode_tables), len(chunks)
@@ -21,28 +25,29 @@ def triton_step(slots: list[int], decode_tables: list[list[int]], decode_context
     chunk_width = max((len(c[3]) for c in chunks), default=0)
     tile_chunks, tile_rows = triton_attention.prefill_tiles([c[1] for c in chunks],
                                                             triton_attention.prefill_block_m(group))
-    sizes = [len(slots), num_decodes * decode_width, num_decodes, len(tile_chunks), len(tile_rows), num_chunks,
-             num_chunks, num_chunks, num_chunks * chunk_width]
+    sizes = [len(input_ids), len(positions), len(keep), len(slots), num_decodes * decode_width, num_decodes,
+             len(tile_chunks), len(tile_rows), num_chunks, num_chunks, num_chunks, num_chunks * chunk_width]
     host = np.zeros(sum(sizes), dtype=np.int32)
-    parts = np.split(host, np.cumsum(sizes)[:-1])
-    parts[0][:] = slots
-    tables = parts[1].reshape(num_decodes, decode_width)
+    (ids, pos, kept, slot, tables, lens, t_chunks, t_rows, offsets, lengths, starts,
+     chunk_tables) = np.split(host, np.cumsum(sizes)[:-1])
+    ids[:], pos[:], kept[:], slot[:], lens[:] = input_ids, positions, keep, slots, decode_context_lens
+    tables = tables.reshape(num_decodes, decode_width)
     for i, table in enumerate(decode_tables):
         tables[i, :len(table)] = table
-    parts[2][:] = decode_context_lens
-    parts[3][:], parts[4][:] = tile_chunks, tile_rows
-    chunk_tables = parts[8].reshape(num_chunks, chunk_width)
+    t_chunks[:], t_rows[:] = tile_chunks, tile_rows
+    chunk_tables = chunk_tables.reshape(num_chunks, chunk_width)
     for i, (offset, length, start, table) in enumerate(chunks):
-        parts[5][i], parts[6][i], parts[7][i] = offset, length, start
+        offsets[i], lengths[i], starts[i] = offset, length, start
         chunk_tables[i, :len(table)] = table
     buffer = torch.from_numpy(host)
     if device.type == "cuda":
         buffer = buffer.pin_memory().to(device, non_blocking=True)
     views = torch.split(buffer, sizes)
-    return TritonStep(
-        slots=views[0], decode_block_tables=views[1].view(num_decodes, decode_width), decode_context_lens=views[2],
+    step = TritonStep(
+        slots=views[3], decode_block_tables=views[4].view(num_decodes, decode_width), decode_context_lens=views[5],
         # about 256 programs on a GPU; in the CPU interpreter (tests) two splits a sequence are proof enough
         decode_splits=triton_attention.decode_splits(num_decodes, num_kv_heads, decode_width,
                                                      256 if device.type == "cuda" else 2 * num_decodes * num_kv_heads),
-        tile_chunks=views[3], tile_rows=views[4], chunk_offsets=views[5], chunk_lens=views[6],
-        chunk_starts=views[7], chunk_block_tables=views[8].view(num_chunks, chunk_width))
+        tile_chunks=views[6], tile_rows=views[7], chunk_offsets=views[8], chunk_lens=views[9],
+        chunk_starts=views[10], chunk_block_tables=views[11].view(num_chunks, chunk_width))
+    return step, views[0].long(), views[1].long(), views[2].long()

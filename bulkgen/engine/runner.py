@@ -72,6 +72,10 @@ class ModelRunner:
         self.kv_bytes_per_token = 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
         budget = self._kv_budget()
         self.num_blocks = budget // (self.kv_bytes_per_token * self.block_size)
+        # CUDA graphs pad decode steps with rows that write a scratch block no sequence owns (cuda_graphs.py)
+        self.use_graphs = self._use_graphs()
+        num_cache_blocks = self.num_blocks
+        self.num_blocks -= self.use_graphs
         if self.num_blocks < MIN_KV_BLOCKS:
             raise ConfigError(f"a KV cache of {format_size(budget)} holds {self.num_blocks} blocks of "
                               f"{self.block_size} tokens ({self.kv_bytes_per_token} bytes a token): too small to run "
@@ -81,7 +85,7 @@ class ModelRunner:
         # one head's part of a block contiguous, which is how decode attention reads them; for the CPU
         # kernels K is stored transposed within its block ([head_dim, row], dims in pairs for 2-byte types)
         # so that decode scores 16 tokens per vector (attention.k_block_shape); Triton reads K as V.
-        shape = (self.num_layers, self.num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
+        shape = (self.num_layers, num_cache_blocks, self.num_kv_heads, self.block_size, self.head_dim)
         self.kv_cache = _zeros_on_huge_pages((2, *shape), self.dtype, self.device)
         self.kv_cache_bytes = self.kv_cache.numel() * element
         k_shape = attention.k_block_shape(self.num_kv_heads, self.head_dim, self.block_size, self.dtype,
@@ -91,6 +95,29 @@ class ModelRunner:
         # Whether prefill attention runs in our C kernel (it reads each chunk's context from the blocks itself)
         self.prefill_in_c = self.paths.c("prefill_attention") is not None \
             and attention.kernel_layout(self._k_caches[0])
+        self.decode_graphs = None  # built by limit_context, when graphs are on
+
+    def limit_context(self, max_model_len: int) -> None:
+        """The engine's cap on a sequence's tokens: decode graphs' block tables are that wide."""
+        if self.use_graphs:
+            from bulkgen.engine.cuda_graphs import DecodeGraphs
+
+            self.decode_graphs = DecodeGraphs(
+                self.forward, self._k_caches, self._v_caches, scratch_block=self.num_blocks, block_size=self.block_size,
+                max_blocks_per_seq=-(-max_model_len // self.block_size), max_num_seqs=self.config.max_num_seqs,
+                num_kv_heads=self.num_kv_heads, device=self.device)
+
+    def _use_graphs(self) -> bool:
+        if not self.config.cuda_graphs:
+            return False
+        if not self.use_triton:
+            raise ConfigError("--cuda-graphs replays the Triton decode path: it needs a GPU (CUDA) and the Triton "
+                              "kernels; use --no-cuda-graphs here")
+        if self.forward is None:
+            log.warning("bulkgen: %s runs through Hugging Face's modules: decode steps run without CUDA graphs",
+                        type(self.model).__name__)
+            return False
+        return True
 
     @property
     def max_num_tokens(self) -> int:
@@ -139,29 +166,44 @@ class ModelRunner:
             if s.seq.num_computed_tokens + s.num_new_tokens == s.seq.num_tokens:
                 sample_rows.append(offset - 1)
                 sampled.append(s.seq)
-        meta = self._metadata(decodes, slots, chunks)
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        keep = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+        graphs = self.decode_graphs
+        if graphs is not None and not prefills and graphs.bucket(len(decodes)) is not None \
+                and all(len(s.seq.block_table) <= graphs.width for s in decodes):
+            logits = graphs.run(input_ids, positions, slots, [s.seq.block_table for s in decodes],
+                                [s.seq.num_computed_tokens + 1 for s in decodes])
+            return (logits if len(sample_rows) == len(decodes) else logits[sample_rows]), sampled
+        if self.use_triton:
+            meta, ids, pos, keep = self._triton_inputs(decodes, input_ids, positions, sample_rows, slots, chunks)
+        else:
+            meta = self._metadata(decodes, slots, chunks)
+            ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+            pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+            keep = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
         if self.forward is not None:
             return self.forward(ids, pos, keep, meta).float(), sampled
         output = self.model(input_ids=ids[None], position_ids=pos[None], use_cache=False, logits_to_keep=keep,
                             bulkgen_attention=meta)
         return output.logits[0].float(), sampled
 
+    def _triton_inputs(self, decodes: list[ScheduledSeq], input_ids: list[int], positions: list[int],
+                       sample_rows: list[int], slots: list[int], chunks: list[attention.PrefillChunk],
+                       ) -> tuple[attention.AttentionMetadata, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The step's inputs and attention metadata in one copy to the device (gpu_step.py)."""
+        from bulkgen.engine.gpu_step import triton_step
+
+        group = self.model.config.num_attention_heads // self.num_kv_heads
+        step, ids, pos, keep = triton_step(input_ids, positions, sample_rows, slots,
+                                           [s.seq.block_table for s in decodes],
+                                           [s.seq.num_computed_tokens + 1 for s in decodes],
+                                           [(c.offset, c.num_tokens, c.start, c.block_table) for c in chunks],
+                                           self.device, self.num_kv_heads, group)
+        meta = attention.AttentionMetadata(self._k_caches, self._v_caches, step.slots, step.slots, step.slots,
+                                           len(decodes), step.decode_block_tables, step.decode_context_lens, 0,
+                                           triton=step)
+        return meta, ids, pos, keep
+
     def _metadata(self, decodes: list[ScheduledSeq], slots: list[int],
                   chunks: list[attention.PrefillChunk]) -> attention.AttentionMetadata:
-        if self.use_triton:
-            from bulkgen.engine.gpu_step import triton_step
-
-            group = self.model.config.num_attention_heads // self.num_kv_heads
-            step = triton_step(slots, [s.seq.block_table for s in decodes],
-                               [s.seq.num_computed_tokens + 1 for s in decodes],
-                               [(c.offset, c.num_tokens, c.start, c.block_table) for c in chunks], self.device,
-                               self.num_kv_heads, group)
-            return attention.AttentionMetadata(self._k_caches, self._v_caches, step.slots, step.slots, step.slots,
-                                               len(decodes), step.decode_block_tables, step.decode_context_lens, 0,
-                                               triton=step)
         num_decodes = len(decodes)
         max_blocks = max((len(s.seq.block_table) for s in decodes), default=0)
         tables = np.zeros((num_decodes, max_blocks), dtype=np.int32)
