@@ -14,9 +14,66 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton kernels run on the 
 REPO = Path(__file__).resolve().parents[1]
 
 
+POSTGRES = os.environ.get("BULKGEN_TEST_POSTGRES", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+
+
+def _postgres_reachable() -> str | None:
+    """Why PostgreSQL tests cannot run here, or None (they run: CI's machines have the server)."""
+    try:
+        import psycopg
+    except ImportError:
+        return "psycopg is not installed (pip install bulkgen[postgres])"
+    try:
+        psycopg.connect(POSTGRES.replace("+psycopg", ""), connect_timeout=3).close()
+    except psycopg.Error as exc:
+        return f"no PostgreSQL server at {POSTGRES}: {str(exc).splitlines()[0]}"
+    return None
+
+
+@pytest.fixture(scope="session")
+def postgres_skip_reason() -> str | None:
+    return _postgres_reachable()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def backend(request: pytest.FixtureRequest, postgres_skip_reason: str | None) -> str:
+    """Every test of the store, queue, submit, worker and export runs on both databases."""
+    if request.param == "postgresql" and postgres_skip_reason:
+        pytest.skip(postgres_skip_reason)
+    return request.param
+
+
 @pytest.fixture
-def db_url(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
-    url = f"sqlite:///{tmp_path / 'bulkgen.db'}"
+def make_db(backend: str, tmp_path: Path):
+    """make_db(name) -> the URL of a new, empty database of this test's backend: a SQLite file, or a fresh
+    PostgreSQL schema (its own search_path), dropped after the test."""
+    from sqlalchemy import create_engine, text
+
+    schemas: list[str] = []
+
+    def make(name: str = "bulkgen") -> str:
+        if backend == "sqlite":
+            return f"sqlite:///{tmp_path / f'{name}.db'}"
+        import uuid
+
+        schema = f"t_{name}_{uuid.uuid4().hex[:10]}".lower()
+        with create_engine(POSTGRES).begin() as conn:
+            conn.execute(text(f'CREATE SCHEMA "{schema}"'))
+        schemas.append(schema)
+        return f"{POSTGRES}?options=-csearch_path%3D{schema}"
+
+    yield make
+    if schemas:
+        engine = create_engine(POSTGRES)
+        with engine.begin() as conn:
+            for schema in schemas:
+                conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
+        engine.dispose()
+
+
+@pytest.fixture
+def db_url(make_db, monkeypatch: pytest.MonkeyPatch) -> str:
+    url = make_db("bulkgen")
     monkeypatch.setenv("BULKGEN_DB", url)
     return url
 

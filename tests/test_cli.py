@@ -78,3 +78,10 @@ def test_a_bad_database_is_one_line_and_exit_2(case, tmp_path: Path) -> None:
     for command in (("list",), ("status", "1"), ("db", "current")):
         result = invoke(*command, "--db", make_url(tmp_path), expect=2)
         assert message in result.output and result.output.startswith("error: ") and result.output.count("\n") == 1
+
+
+def test_an_unreachable_or_missing_postgresql_database_is_one_line_naming_the_host() -> None:
+    for url, words in [("postgresql+psycopg://postgres@127.0.0.1:1/test", "127.0.0.1"),
+                       ("postgresql+psycopg://postgres@127.0.0.1:5432/no_such_bulkgen_db", "createdb")]:
+        result = invoke("list", "--db", url, expect=2)
+        assert words in result.output and "Traceback" not in result.output and len(result.output.splitlines()) == 1

@@ -17,8 +17,8 @@ from tests.conftest import REPO
 from tests.helpers import invoke
 
 
-def test_migrations_from_empty_to_head_match_the_models(tmp_path: Path) -> None:
-    engine = create_engine(f"sqlite:///{tmp_path / 'm.db'}")
+def test_migrations_from_empty_to_head_match_the_models(make_db) -> None:
+    engine = create_engine(make_db("m"))
     migrate.upgrade(engine)
     with engine.connect() as conn:
         diff = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}), Base.metadata)
@@ -35,10 +35,11 @@ def test_open_applies_migrations_and_uses_wal(tmp_path: Path) -> None:
         assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() >= 1000
 
 
-def test_downgrade_to_base_and_back(tmp_path: Path) -> None:
+def test_downgrade_to_base_and_back(make_db) -> None:
+    """Upgrading in place: from base (and from any revision between) to head."""
     from alembic import command
 
-    engine = create_engine(f"sqlite:///{tmp_path / 'd.db'}")
+    engine = create_engine(make_db("d"))
     migrate.upgrade(engine)
     with engine.begin() as conn:
         command.downgrade(migrate.alembic_config(conn), "base")
@@ -47,8 +48,8 @@ def test_downgrade_to_base_and_back(tmp_path: Path) -> None:
     assert "jobs" in inspect(engine).get_table_names()
 
 
-def test_db_commands(tmp_path: Path) -> None:
-    url = f"sqlite:///{tmp_path / 'c.db'}"
+def test_db_commands(make_db) -> None:
+    url = make_db("c")
     assert "(empty)" in invoke("db", "current", "--db", url).output
     invoke("db", "upgrade", "--db", url)
     out = invoke("db", "current", "--db", url).output
@@ -73,3 +74,15 @@ def test_wheel_ships_the_migrations(tmp_path: Path) -> None:
                           env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"})
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith(str(site)) and "site/bulkgen/migrations" in done.stdout
+
+
+def test_many_workers_opening_a_new_database_at_once_migrate_it_once(make_db) -> None:
+    """Workers started together on an empty database: one applies the migrations, the rest wait and find the
+    schema at head (SQLite: its write lock; PostgreSQL: an advisory lock)."""
+    url = make_db("race")
+    code = "import sys; from bulkgen.store import open_store; open_store(sys.argv[1]); print('ok')"
+    procs = [subprocess.Popen([sys.executable, "-c", code, url], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(4)]
+    results = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err for _, err in results]
+    assert migrate.current_revision(create_engine(url)) == migrate.head_revision()

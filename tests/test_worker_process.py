@@ -57,9 +57,9 @@ def export_rows(db: str, job_id: int, path: Path) -> list[dict]:
     return pq.read_table(path).to_pylist()
 
 
-def test_sigkill_at_random_moments_then_resume_equals_an_uninterrupted_run(tmp_path: Path,
-                                                                          tiny_model_dir: Path) -> None:
-    reference_db = f"sqlite:///{tmp_path / 'reference.db'}"
+def test_sigkill_at_random_moments_then_resume_equals_an_uninterrupted_run(tmp_path: Path, tiny_model_dir: Path,
+                                                                          make_db) -> None:
+    reference_db = make_db("reference")
     (tmp_path / "ref").mkdir()
     ref_job = make_job(tmp_path / "ref", tiny_model_dir, reference_db)
     done = subprocess.run([sys.executable, "-m", "bulkgen", "run", "--db", reference_db, *RUN_FLAGS],
@@ -67,7 +67,7 @@ def test_sigkill_at_random_moments_then_resume_equals_an_uninterrupted_run(tmp_p
     assert done.returncode == 0, done.stderr
     reference = export_rows(reference_db, ref_job, tmp_path / "reference.parquet")
 
-    db = f"sqlite:///{tmp_path / 'crash.db'}"
+    db = make_db("crash")
     job_id = make_job(tmp_path, tiny_model_dir, db)
     rng = random.Random(42)
     kills = 0
@@ -101,8 +101,8 @@ def test_sigkill_at_random_moments_then_resume_equals_an_uninterrupted_run(tmp_p
         assert session.scalar(select(func.count()).select_from(Request).where(Request.attempts > 1)) > 0
 
 
-def test_sigterm_drains_commits_and_releases(tmp_path: Path, tiny_model_dir: Path) -> None:
-    db = f"sqlite:///{tmp_path / 'term.db'}"
+def test_sigterm_drains_commits_and_releases(tmp_path: Path, tiny_model_dir: Path, make_db) -> None:
+    db = make_db("term")
     job_id = make_job(tmp_path, tiny_model_dir, db, max_new=64)
     proc = start_worker(db)
     wait_for_results(db, 5, proc)
@@ -122,8 +122,8 @@ def test_sigterm_drains_commits_and_releases(tmp_path: Path, tiny_model_dir: Pat
     assert invoke_json("status", job_id, "--db", db)["counts"]["completed"] == NUM_ROWS
 
 
-def test_two_workers_share_the_queue_without_doing_anything_twice(tmp_path: Path, tiny_model_dir: Path) -> None:
-    db = f"sqlite:///{tmp_path / 'two.db'}"
+def test_two_workers_share_the_queue_without_doing_anything_twice(tmp_path: Path, tiny_model_dir: Path, make_db) -> None:
+    db = make_db("two")
     job_id = make_job(tmp_path, tiny_model_dir, db)
     workers = [start_worker(db, "--max-num-seqs", "8", "--json") for _ in range(2)]
     outputs = [w.communicate(timeout=300) for w in workers]
@@ -141,8 +141,8 @@ def test_two_workers_share_the_queue_without_doing_anything_twice(tmp_path: Path
     assert invoke_json("status", job_id, "--db", db)["status"] == "completed"
 
 
-def test_cancel_during_a_run_stops_the_worker_taking_its_requests(tmp_path: Path, tiny_model_dir: Path) -> None:
-    db = f"sqlite:///{tmp_path / 'cancel.db'}"
+def test_cancel_during_a_run_stops_the_worker_taking_its_requests(tmp_path: Path, tiny_model_dir: Path, make_db) -> None:
+    db = make_db("cancel")
     job_id = make_job(tmp_path, tiny_model_dir, db, max_new=64)
     proc = start_worker(db, "--lease-seconds", "2")
     wait_for_results(db, 3, proc)
@@ -158,16 +158,24 @@ def test_cancel_during_a_run_stops_the_worker_taking_its_requests(tmp_path: Path
                               .where(Request.state != "completed")) == 0
 
 
-def test_a_database_failing_mid_run_stops_the_worker_cleanly(tmp_path: Path, tiny_model_dir: Path) -> None:
+def test_a_database_failing_mid_run_stops_the_worker_cleanly(tmp_path: Path, tiny_model_dir: Path, make_db) -> None:
     """The database refuses writes of results after a few (a trigger raising, as a full disk or an I/O
     error would): the worker stops with one message and a nonzero exit, no traceback; what was committed
     stays, and its other requests go back to the queue."""
-    db = f"sqlite:///{tmp_path / 'failing.db'}"
+    db = make_db("failing")
     make_job(tmp_path, tiny_model_dir, db, num_rows=60)
     with open_store(db).engine.begin() as conn:
-        conn.exec_driver_sql("CREATE TRIGGER fail_after_ten BEFORE INSERT ON results "
-                             "WHEN (SELECT count(*) FROM results) >= 10 "
-                             "BEGIN SELECT RAISE(ABORT, 'disk I/O error (simulated)'); END")
+        if conn.dialect.name == "sqlite":
+            conn.exec_driver_sql("CREATE TRIGGER fail_after_ten BEFORE INSERT ON results "
+                                 "WHEN (SELECT count(*) FROM results) >= 10 "
+                                 "BEGIN SELECT RAISE(ABORT, 'disk I/O error (simulated)'); END")
+        else:
+            conn.exec_driver_sql("CREATE FUNCTION fail_after_ten() RETURNS trigger AS $$ BEGIN "
+                                 "IF (SELECT count(*) FROM results) >= 10 THEN "
+                                 "RAISE EXCEPTION 'disk I/O error (simulated)'; END IF; RETURN NEW; END $$ "
+                                 "LANGUAGE plpgsql")
+            conn.exec_driver_sql("CREATE TRIGGER fail_after_ten BEFORE INSERT ON results FOR EACH ROW "
+                                 "EXECUTE FUNCTION fail_after_ten()")
     proc = start_worker(db, "--max-num-seqs", "4")
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 1, stderr

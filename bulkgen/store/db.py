@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from bulkgen.errors import BulkgenError, ConfigError, StoreError
 
 SQLITE_BUSY_TIMEOUT_MS = 60_000
+PG_CONNECT_TIMEOUT_S = 5  # an unreachable server is said in seconds, not after TCP's minutes
 
 
 class Store:
@@ -81,9 +82,12 @@ def opening(engine: Engine) -> Iterator[None]:
     except BulkgenError:
         raise
     except (SQLAlchemyError, OSError) as exc:
-        raise ConfigError(f"cannot open the database {engine.url.render_as_string(hide_password=True)}: {_reason(exc)}; "
-                          "give --db (or BULKGEN_DB) a bulkgen database, or a new file in a directory you can "
-                          "write") from exc
+        hint = ("give --db (or BULKGEN_DB) a bulkgen database, or a new file in a directory you can write"
+                if engine.dialect.name == "sqlite" else
+                "check the host, port, user and database name of --db (or BULKGEN_DB); the database must exist "
+                "(createdb NAME), its schema is made on first use")
+        raise ConfigError(f"cannot open the database {engine.url.render_as_string(hide_password=True)}: "
+                          f"{_reason(exc)}; {hint}") from exc
 
 
 def create_db_engine(url: str) -> Engine:
@@ -94,8 +98,9 @@ def create_db_engine(url: str) -> Engine:
                           "or postgresql+psycopg://user:pass@host/db") from exc
     if parsed.get_backend_name() == "sqlite":
         return _sqlite_engine(parsed)
+    connect_args = {"connect_timeout": PG_CONNECT_TIMEOUT_S} if parsed.get_backend_name() == "postgresql" else {}
     try:
-        return create_engine(parsed, pool_pre_ping=True)
+        return create_engine(parsed, pool_pre_ping=True, connect_args=connect_args)
     except Exception as exc:  # a missing driver surfaces here as ImportError / NoSuchModuleError
         raise ConfigError(f"cannot open {parsed.render_as_string(hide_password=True)}: {exc}; "
                           "for PostgreSQL install bulkgen[postgres]") from exc
