@@ -297,11 +297,22 @@ def build_engine_config(options: dict[str, Any]):
 @click.option("--progress/--no-progress", default=True, help="Show progress on stderr.")
 @click.option("-v", "--verbose", is_flag=True,
               help="Say more on stderr: the CPU, and which path (C or torch) each kernel family took and why.")
+@click.option("--ray", "use_ray", is_flag=True,
+              help="Run the workers as Ray actors on a Ray cluster, all on this --db queue (bulkgen[ray]).")
+@click.option("--workers", type=int, help="With --ray: how many workers (default: one per GPU Ray sees, else 1).")
+@click.option("--ray-address", metavar="ADDR",
+              help="With --ray: the cluster's head (default: a running cluster if any, else a local one).")
+@click.option("--gpus-per-worker", type=float, help="With --ray: GPUs of each worker (default: 1 if the cluster "
+                                                    "has GPUs, else 0).")
+@click.option("--cpus-per-worker", type=float, default=1.0, show_default=True, help="With --ray: CPUs of each worker.")
+@click.option("--max-restarts", type=int, default=3, show_default=True,
+              help="With --ray: how often Ray restarts a worker whose process died.")
 @json_option
 @db_option
 def run(job_ids: tuple[int, ...], as_json: bool, db_url: str, lease_seconds: float, commit_every: int,
         commit_interval: float, max_attempts: int, drain_timeout: float, packing: str, kv_admission: bool, wait: bool,
-        log_every: float, progress: bool, verbose: bool, **engine: Any) -> None:
+        log_every: float, progress: bool, verbose: bool, use_ray: bool, workers: int | None, ray_address: str | None,
+        gpus_per_worker: float | None, cpus_per_worker: float, max_restarts: int, **engine: Any) -> None:
     """Run queued jobs (all, or the given ones) until the queue is empty.
 
     Results are committed as they finish: kill the worker at any moment and run it again, and it
@@ -314,6 +325,7 @@ def run(job_ids: tuple[int, ...], as_json: bool, db_url: str, lease_seconds: flo
       bulkgen run 3 --kv-cache-memory 2GiB --max-num-seqs 64
       nohup bulkgen run --wait > worker.log 2>&1 &
       bulkgen run -v --kernels linear=torch     # the linear layers in torch; say why each path
+      bulkgen run --ray --db postgresql+psycopg://user@host/bulkgen   # a worker per GPU of the Ray cluster
     """
     import logging
 
@@ -327,6 +339,14 @@ def run(job_ids: tuple[int, ...], as_json: bool, db_url: str, lease_seconds: flo
                             drain_timeout_s=drain_timeout, packing=packing, kv_admission=kv_admission, wait=wait,
                             progress=progress and not as_json, log_every_s=log_every)
     engine_config = build_engine_config(engine)  # a bad flag is refused before the database is touched
+    ray_flags = {"--workers": workers, "--ray-address": ray_address, "--gpus-per-worker": gpus_per_worker}
+    if not use_ray and any(value is not None for value in ray_flags.values()):
+        raise click.UsageError(f"{', '.join(k for k, v in ray_flags.items() if v is not None)} go with --ray")
+    if use_ray:
+        from bulkgen.ray import RayOptions, require_ray
+
+        ray_options = RayOptions(workers, ray_address, gpus_per_worker, cpus_per_worker, max_restarts)
+        require_ray()
     store = open_db(db_url)
     if job_ids:
         from bulkgen.store import jobs as job_ops
@@ -334,11 +354,34 @@ def run(job_ids: tuple[int, ...], as_json: bool, db_url: str, lease_seconds: flo
         with store.session_scope() as session:
             for job_id in job_ids:
                 job_ops.get_job(session, job_id)
+    if use_ray:
+        _run_on_ray(store, db_url, engine_config, options, ray_options, progress and not as_json, as_json)
+        return
     summary = Worker(store, engine_config, options).run()
     if as_json:
         emit_json(summary.to_dict())
     else:
         click.echo(summary.line(), err=True)
+
+
+def _run_on_ray(store, db_url: str, engine_config, options, ray_options, progress: bool, as_json: bool) -> None:
+    from bulkgen.ray import run_on_ray
+    from bulkgen.store import queue as q
+
+    summary = run_on_ray(store, db_url, engine_config, options, ray_options, progress)
+    if as_json:
+        emit_json(summary.to_dict())
+    else:
+        click.echo(summary.line(), err=True)
+    if summary.errors:
+        with store.session_scope() as session:
+            jobs = list(options.job_ids) or [job.id for job in q.runnable_jobs(session)]
+            left = q.queue_totals(session, jobs).num_pending if jobs else 0
+        for error in summary.errors:
+            click.echo(f"error: a worker stopped for good: {error}", err=True)
+        if left:
+            click.echo(f"error: {left} requests are left in the queue; `bulkgen run` again finishes them", err=True)
+        sys.exit(1)
 
 
 @cli.command(cls=JobCommand, context_settings=CONTEXT)

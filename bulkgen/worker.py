@@ -104,6 +104,7 @@ class Worker:
         self._stop_time = 0.0
         self.writer = ResultWriter(store, self.worker_id, self.options.commit_rows, self.options.commit_interval_s)
         self._progress: Progress | None = None
+        self.num_generated = 0  # output tokens generated in this run, committed or not (a Ray driver sums them)
 
     # ------------------------------------------------------------------ the run
 
@@ -184,6 +185,7 @@ class Worker:
                     next_claim = next_sizing = now + self.options.poll_s  # nothing pending; look again later
             if engine.has_unfinished():
                 self.writer.collect(engine.step())
+                self.num_generated += engine.stats.num_output_tokens - generated
                 if self._progress is not None:
                     self._progress.generated(engine.stats.num_output_tokens - generated)
                 generated = engine.stats.num_output_tokens
