@@ -364,6 +364,31 @@ def run(job_ids: tuple[int, ...], as_json: bool, db_url: str, lease_seconds: flo
         click.echo(summary.line(), err=True)
 
 
+def _bench_queue(workers: str, dbs: tuple[str, ...], num_requests: int, max_num_seqs: int,
+                 json_path: Path | None) -> None:
+    import tempfile
+
+    from bulkgen.bench.queue import run_queue_bench
+    from bulkgen.store import open_store
+
+    try:
+        counts = [int(n) for n in workers.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1 or num_requests < 1:
+        raise click.UsageError(f"--workers takes worker counts such as 1,2,4,8 and --queue-requests N >= 1; got "
+                               f"{workers!r} and {num_requests}")
+    with tempfile.TemporaryDirectory() as tmp:
+        urls = list(dbs) or [f"sqlite:///{tmp}/queue.db"]
+        for url in urls:
+            open_store(url).close()  # a bad URL is one line before any worker starts
+        click.echo(f"bulkgen bench --queue: {num_requests:,} requests a run, workers hold up to {max_num_seqs} each",
+                   err=True)
+        rows = run_queue_bench(urls, counts, num_requests, max_num_seqs, lambda m: click.echo(m, err=True))
+    if json_path:
+        json_path.write_text(json.dumps({"queue": rows}, indent=2) + "\n")
+
+
 def _run_on_ray(store, db_url: str, engine_config, options, ray_options, progress: bool, as_json: bool) -> None:
     from bulkgen.ray import run_on_ray
     from bulkgen.store import queue as q
@@ -457,11 +482,21 @@ def export(job_id: int, output: Path, include_inputs: bool, input_path: Path | N
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of a synthetic or made workload.")
 @click.option("--reference", help="Engine (as named in the table) whose tokens the others are compared with "
                                   "(default: the first hf-* engine).")
+@click.option("--queue", "queue_bench", is_flag=True,
+              help="Measure the queue alone: worker processes claim and commit through the real store with an "
+                   "engine that finishes each request at once (no model); requests/s per worker count.")
+@click.option("--workers", "queue_workers", default="1,2,4,8", show_default=True, metavar="N[,N...]",
+              help="With --queue: worker processes, one measurement per count.")
+@click.option("--db", "queue_dbs", multiple=True, metavar="URL",
+              help="With --queue: the database(s) to measure, each a fresh one (default: a new SQLite file).")
+@click.option("--queue-requests", type=int, default=20_000, show_default=True,
+              help="With --queue: requests per measurement.")
 @engine_options
 def bench(workload: Path | None, synthetic: int | None, suite: str | None, suite_models: str, suite_requests: int,
           suite_peer_requests: int, make_workload: int | None, limit: int | None, chat: bool, max_new_tokens: int,
           model: str | None, compare: str, policy: str, kv_admission: bool, hf_batch_size: str,
           vllm_python: str | None, json_path: Path | None, plot_path: Path | None, seed: int, reference: str | None,
+          queue_bench: bool, queue_workers: str, queue_dbs: tuple[str, ...], queue_requests: int,
           **engine: Any) -> None:
     """Benchmark bulkgen against its peers on one workload, all in one run, and print one table.
 
@@ -480,6 +515,7 @@ def bench(workload: Path | None, synthetic: int | None, suite: str | None, suite
       bulkgen bench w256.parquet --kv-cache-memory 360MiB --compare bulkgen@fifo@no-kv-admission
       bulkgen bench w64.parquet --compare bulkgen@torch,vllm     # the C kernels against plain torch
       bulkgen bench --suite gpu --json gpu.json                 # one command measures a GPU
+      bulkgen bench --queue --workers 1,2,4,8 --db postgresql+psycopg://postgres@127.0.0.1/bench
     """
     from bulkgen.bench import workload as wl
     from bulkgen.bench.run import BenchOptions, format_table, parse_engines, plot, run_bench, write_json
@@ -487,6 +523,9 @@ def bench(workload: Path | None, synthetic: int | None, suite: str | None, suite
 
     if suite is not None:
         _bench_suite(suite_models, suite_requests, suite_peer_requests, hf_batch_size, json_path, engine)
+        return
+    if queue_bench:
+        _bench_queue(queue_workers, queue_dbs, queue_requests, engine["max_num_seqs"], json_path)
         return
     if (workload is None) == (synthetic is None):
         raise click.UsageError("give a workload file or --synthetic N (one of them)")

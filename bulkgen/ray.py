@@ -227,12 +227,15 @@ class _Follower:
         self.done, self.budget_left, self.generated = totals.num_done, totals.budget_left, 0
 
     def _read(self) -> tuple[q.QueueTotals, int]:
+        started = time.monotonic()
         with self.store.session_scope() as session:
             jobs = self.job_ids or [job.id for job in q.runnable_jobs(session)]
             totals = q.queue_totals(session, jobs)
             tokens = sum(output for _, output in job_ops.token_totals(session, jobs).values())
         if not self.job_ids and jobs:
             self.job_ids = jobs  # the jobs this run found; finished ones stay counted
+        # counting a job's requests grows with the job: read a huge queue less often than every second
+        self.next_read = time.monotonic() + max(POLL_S, 20 * (time.monotonic() - started))
         return totals, tokens
 
     def begin(self, text: str) -> None:
@@ -246,6 +249,8 @@ class _Follower:
         if generated > self.generated:
             self.progress.generated(generated - self.generated)
         self.generated = generated
+        if time.monotonic() < self.next_read:
+            return
         totals, tokens = self._read()
         if totals.num_done > self.done:
             self.progress.finished(totals.num_done - self.done, tokens - self.tokens,

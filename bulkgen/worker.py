@@ -125,7 +125,8 @@ class Worker:
                     time.sleep(self.options.poll_s)
                     continue
                 model_path = jobs[0].model_path
-                self._serve([job for job in jobs if job.model_path == model_path])
+                if not self._serve([job for job in jobs if job.model_path == model_path]):
+                    time.sleep(self.options.poll_s)  # others hold what is left: look again, not at once
         except BaseException as exc:
             error = exc
             raise
@@ -159,15 +160,16 @@ class Worker:
                                           enabled=self.options.progress, log_every_s=self.options.log_every_s)
         return jobs
 
-    def _serve(self, jobs: list[Job]) -> None:
-        """Run the jobs of one model until none of their requests is pending (or a stop)."""
+    def _serve(self, jobs: list[Job]) -> int:
+        """Run the jobs of one model until none of their requests is pending (or a stop). Returns how many
+        requests it claimed."""
         engine = self._engine(jobs[0].model_path)
         self._say_start(engine, jobs)
         preemptions_before, generated = engine.stats.num_preemptions, engine.stats.num_output_tokens
         params = {job.id: SamplingParams.from_dict(job.spec["sampling"]) for job in jobs}
         job_ids = [job.id for job in jobs]
         self.summary.job_ids.update(job_ids)
-        target, next_sizing, next_claim = 0, 0.0, 0.0
+        target, next_sizing, next_claim, claimed = 0, 0.0, 0.0, 0
         next_check = time.monotonic() + self.options.lease_s / 4
         while True:
             now = time.monotonic()
@@ -180,8 +182,10 @@ class Worker:
                     target, next_sizing = self._claim_target(engine, job_ids), now + SIZING_INTERVAL_S
                 if self.writer.num_held >= target and not engine.has_unfinished():
                     self._write(job_ids)  # all it holds has finished: commit to make room
-                if self.writer.num_held < target and not self._claim(engine, job_ids, params,
-                                                                     target - self.writer.num_held):
+                got = self._claim(engine, job_ids, params, target - self.writer.num_held) \
+                    if self.writer.num_held < target else -1
+                claimed += max(got, 0)
+                if got == 0:
                     next_claim = next_sizing = now + self.options.poll_s  # nothing pending; look again later
             if engine.has_unfinished():
                 self.writer.collect(engine.step())
@@ -199,14 +203,17 @@ class Worker:
                     engine.abort(request_id)
         self._write(job_ids)
         self.summary.num_preemptions += engine.stats.num_preemptions - preemptions_before
+        return claimed
 
     def _claim_target(self, engine: EngineProtocol, job_ids: list[int]) -> int:
         """How many requests to hold: what the engine can run at once (its KV cache over the pending
         requests' mean length, at most max_num_seqs) and a quarter more waiting, so the batch never runs
         dry; but no more than a fair share of what is left among the live workers, so that a second worker
         (or eight) shares even a small job."""
+        most = claim_target(self.engine_config.max_num_seqs, engine.max_num_tokens,
+                            q.QueueShape(1 << 30, 0, 1.0, 1))  # what it would take from an endless queue
         with self.store.session_scope() as session:
-            shape = q.queue_shape(session, job_ids, self.options.lease_s)
+            shape = q.queue_shape(session, job_ids, self.options.lease_s, enough_per_worker=most)
         return claim_target(self.engine_config.max_num_seqs, engine.max_num_tokens, shape)
 
     def _claim(self, engine: EngineProtocol, job_ids: list[int], params: dict[int, SamplingParams],

@@ -91,3 +91,23 @@ def test_gpu_suite_runs_on_a_cpu_with_its_tiny_model(tmp_path: Path) -> None:
     assert "tiny" in format_suite(report)
     write_suite_json(report, tmp_path / "suite.json")
     assert "_tokens" not in (tmp_path / "suite.json").read_text()
+
+
+def test_queue_bench_runs_workers_through_the_real_store(make_db, tmp_path: Path) -> None:
+    """bulkgen bench --queue: worker processes claim and commit through the store with no model; every
+    request of each run lands once, and the figures come out per worker count."""
+    from sqlalchemy import func, select
+
+    from bulkgen.store import open_store
+    from bulkgen.store.models import Request, Result
+
+    url = make_db("queue")
+    out = tmp_path / "queue.json"
+    invoke("bench", "--queue", "--workers", "1,2", "--queue-requests", "300", "--db", url, "--json", out)
+    rows = json.loads(out.read_text())["queue"]
+    assert [r["workers"] for r in rows] == [1, 2] and all(r["requests"] == 300 and r["requests_per_s"] > 0
+                                                          for r in rows)
+    with open_store(url).session_scope() as session:
+        assert session.scalar(select(func.count()).select_from(Result)) == 600
+        assert session.scalar(select(func.max(Request.attempts))) == 1
+    assert "--workers takes worker counts" in invoke("bench", "--queue", "--workers", "0", expect=2).output

@@ -92,7 +92,13 @@ class Request(Base):
     __tablename__ = "requests"
     __table_args__ = (
         UniqueConstraint("job_id", "row", "sample", name="uq_requests_job_row_sample"),
-        Index("ix_requests_job_state", "job_id", "state"),
+        # A claim reads a job's pending requests in its policy's order (packing.SORT_KEYS) and takes the first
+        # few: one index per order makes that a short index walk instead of sorting every pending request
+        # (0.5 s a claim at 500,000 pending on PostgreSQL). lpt's, all descending, is walked backwards.
+        # fifo's also serves every (job, state) lookup.
+        Index("ix_requests_claim_fifo", "job_id", "state", "id"),
+        Index("ix_requests_claim_lpt", "job_id", "state", "max_new_tokens", "num_prompt_tokens", "id"),
+        Index("ix_requests_claim_sorted", "job_id", "state", "num_prompt_tokens", "id"),
         Index("ix_requests_lease", "state", "lease_expires_at"),
     )
 

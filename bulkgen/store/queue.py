@@ -16,13 +16,14 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import and_, case, func, select, update
+from sqlalchemy import and_, case, func, insert, select, update
 from sqlalchemy.orm import Session
 
 from bulkgen.packing import SORT_KEYS
 from bulkgen.store.models import Job, JobStatus, Request, RequestState, Result, Worker, utcnow
 
 RUNNABLE_JOBS = (JobStatus.QUEUED.value, JobStatus.RUNNING.value)
+SHAPE_SAMPLE = 1024  # pending requests whose mean length sizes a claim
 
 
 @dataclass(frozen=True)
@@ -96,8 +97,8 @@ def dead_local_workers(session: Session) -> list[str]:
 def claim(session: Session, worker_id: str, job_ids: list[int], limit: int, lease_s: float,
           order: str = "lpt") -> list[ClaimedRequest]:
     """Lease up to `limit` pending requests of the given jobs (older jobs first), in the packer's order
-    (packing.SORT_KEYS: lpt, most output tokens first, then longest prompt; sorted, shortest prompt first;
-    fifo, as submitted)."""
+    (packing.SORT_KEYS: lpt, most output tokens first, then longest prompt, then latest submitted; sorted,
+    shortest prompt first; fifo, as submitted)."""
     if limit <= 0 or not job_ids:
         return []
     query = (select(Request.id, Request.job_id, Request.row, Request.sample, Request.prompt_token_ids,
@@ -105,7 +106,10 @@ def claim(session: Session, worker_id: str, job_ids: list[int], limit: int, leas
              .where(Request.job_id.in_(job_ids), Request.state == RequestState.PENDING.value))
     keys = [getattr(Request, field).desc() if descending else getattr(Request, field)
             for field, descending in SORT_KEYS[order]]
-    query = query.order_by(Request.job_id, *keys, Request.id).limit(limit)
+    # ties by id in the direction of the order's keys, so that its index (models.Request) serves it as it is
+    # or walked backwards, without a sort
+    last = Request.id.desc() if SORT_KEYS[order] and SORT_KEYS[order][-1][1] else Request.id
+    query = query.order_by(Request.job_id, *keys, last).limit(limit)
     if session.bind.dialect.name == "postgresql":
         query = query.with_for_update(skip_locked=True, of=Request)
     rows = session.execute(query).all()
@@ -126,20 +130,22 @@ def claim(session: Session, worker_id: str, job_ids: list[int], limit: int, leas
 def commit_results(session: Session, worker_id: str, results: list[dict[str, Any]],
                    failures: list[tuple[int, str]]) -> tuple[int, int]:
     """Record finished requests still leased by this worker (others were cancelled or reclaimed and
-    are dropped). Returns (results written, failures written)."""
+    are dropped). Returns (results written, failures written). Results: one UPDATE ... RETURNING for all
+    of them and one multi-row INSERT, whatever their number."""
     now = utcnow()
     written = 0
-    for result in results:
-        owned = session.execute(
+    if results:
+        owned = set(session.scalars(
             update(Request)
-            .where(Request.id == result["request_id"], Request.state == RequestState.RUNNING.value,
+            .where(Request.id.in_([r["request_id"] for r in results]), Request.state == RequestState.RUNNING.value,
                    Request.lease_owner == worker_id)
             .values(state=RequestState.COMPLETED.value, error=None, lease_owner=None, lease_expires_at=None,
                     updated_at=now)
-        ).rowcount
-        if owned:
-            session.add(Result(worker_id=worker_id, finished_at=now, **result))
-            written += 1
+            .returning(Request.id)))
+        rows = [{"worker_id": worker_id, "finished_at": now, **r} for r in results if r["request_id"] in owned]
+        if rows:
+            session.execute(insert(Result), rows)
+        written = len(rows)
     failed = 0
     for request_id, reason in failures:
         failed += session.execute(
@@ -207,26 +213,35 @@ class QueueShape:
     num_live_workers: int  # workers heart-beating within the lease, idle or holding requests of these jobs
 
 
-def queue_shape(session: Session, job_ids: list[int], lease_s: float) -> QueueShape:
-    pending, tokens = session.execute(
-        select(func.count(), func.coalesce(func.avg(Request.num_prompt_tokens + Request.max_new_tokens), 0))
-        .where(Request.job_id.in_(job_ids), Request.state == RequestState.PENDING.value)).one()
+def queue_shape(session: Session, job_ids: list[int], lease_s: float, enough_per_worker: int = 1 << 30) -> QueueShape:
+    """The queue as a worker sizes its claim by. Pending requests are counted only up to what would give
+    every live worker `enough_per_worker` (beyond that the count changes no claim), and their mean length
+    is that of a sample: a million-request job costs a worker a bounded read every second, not a scan."""
     running = session.scalar(select(func.count()).where(Request.job_id.in_(job_ids),
                                                         Request.state == RequestState.RUNNING.value))
     holds = select(Request.id).where(Request.lease_owner == Worker.id, Request.state == RequestState.RUNNING.value)
     live = session.scalar(select(func.count()).select_from(Worker).where(
         Worker.status == "running", Worker.heartbeat_at >= utcnow() - timedelta(seconds=lease_s),
         ~holds.exists() | holds.where(Request.job_id.in_(job_ids)).exists()))
+    cap = max(int(live or 0), 1) * enough_per_worker
+    pending_rows = select(Request.num_prompt_tokens, Request.max_new_tokens).where(
+        Request.job_id.in_(job_ids), Request.state == RequestState.PENDING.value)
+    pending = session.scalar(select(func.count()).select_from(pending_rows.limit(cap).subquery()))
+    sample = pending_rows.limit(SHAPE_SAMPLE).subquery()
+    tokens = session.scalar(select(func.coalesce(func.avg(sample.c.num_prompt_tokens + sample.c.max_new_tokens), 0)))
     return QueueShape(int(pending), int(running or 0), float(tokens), int(live or 0))
 
 
 def settle_jobs(session: Session, job_ids: list[int]) -> None:
-    """Jobs with no request left to run become completed (or failed, if nothing succeeded)."""
+    """Jobs with no request left to run become completed (or failed, if nothing succeeded). A job with work
+    left costs one index probe (a commit runs this: it must not count a million-request job's rows)."""
     for job in session.scalars(select(Job).where(Job.id.in_(job_ids), Job.status.in_(RUNNABLE_JOBS))):
+        left = select(Request.id).where(Request.job_id == job.id, Request.state.in_(
+            (RequestState.PENDING.value, RequestState.RUNNING.value))).limit(1)
+        if session.scalar(left) is not None:
+            continue
         counts = dict(session.execute(select(Request.state, func.count()).where(Request.job_id == job.id)
                                       .group_by(Request.state)).all())
-        if counts.get(RequestState.PENDING.value) or counts.get(RequestState.RUNNING.value):
-            continue
         job.status = JobStatus.COMPLETED.value if counts.get(RequestState.COMPLETED.value) or not \
             counts.get(RequestState.FAILED.value) else JobStatus.FAILED.value
         job.finished_at = utcnow()
