@@ -119,10 +119,13 @@ def emit_json(data: Any) -> None:
 @click.option("--logprobs", type=int, help="Keep the chosen token's log-probability and this many alternatives.")
 @click.option("--add-special-tokens/--no-add-special-tokens", default=None,
               help="Tokenizer special tokens (BOS). Default: on for raw text, off for chat-rendered text.")
+@click.option("--input-format", type=click.Choice(("auto", "parquet", "jsonl", "csv", "openai")),
+              help="What the input file is. Default auto: .parquet, .jsonl/.ndjson, .csv by name (else by its "
+                   "first bytes); a JSONL file of OpenAI batch requests is read as one.")
 @json_option
 @db_option
 def submit(source: Path, as_json: bool, db_url: str, **options: Any) -> None:
-    """Submit a Parquet file (or a job file, jobs/*.toml) as a job.
+    """Submit a Parquet, JSONL or CSV file of rows (or a job file, jobs/*.toml) as a job.
 
     Checks the file, its columns and every flag before writing anything. A bad row (null or empty
     prompt, a prompt too long for the model) becomes a failed request with its reason; the rest of
@@ -133,6 +136,7 @@ def submit(source: Path, as_json: bool, db_url: str, **options: Any) -> None:
       bulkgen submit data.parquet --prompt-column question --max-new-tokens 256 --name qa
       bulkgen submit data.parquet --messages-column messages --temperature 0.7 --n 4
       bulkgen submit jobs/demo.toml --max-new-tokens 64
+      bulkgen submit rows.jsonl --prompt-column text        # or rows.csv: streamed, same checks
     """
     from bulkgen.jobspec import build_spec
     from bulkgen.submit import submit_job

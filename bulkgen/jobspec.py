@@ -14,7 +14,7 @@ from typing import Any
 
 from bulkgen.config import SamplingParams
 from bulkgen.errors import ConfigError
-from bulkgen.io.parquet_in import InputColumns
+from bulkgen.io.rows import INPUT_FORMATS, InputColumns
 from bulkgen.resolve import DEFAULT_MODEL
 
 SAMPLING_KEYS = {f.name for f in fields(SamplingParams)}
@@ -28,7 +28,7 @@ FILE_KEY_TYPES = {
     "id_column": _TEXT, "max_new_tokens_column": _TEXT, "system_prompt": _TEXT, "chat": _FLAG, "n": _WHOLE,
     "add_special_tokens": _FLAG, "max_new_tokens": _WHOLE, "temperature": _NUMBER, "top_p": _NUMBER,
     "top_k": _WHOLE, "min_p": _NUMBER, "repetition_penalty": _NUMBER, "stop": _TEXTS, "stop_token_ids": _WHOLES,
-    "ignore_eos": _FLAG, "seed": _WHOLE, "logprobs": _WHOLE,
+    "ignore_eos": _FLAG, "seed": _WHOLE, "logprobs": _WHOLE, "input_format": _TEXT,
 }
 
 
@@ -60,6 +60,7 @@ class JobSpec:
     chat: bool = False  # wrap a raw prompt as a user message and apply the chat template
     n: int = 1  # samples per row
     add_special_tokens: bool | None = None  # None: yes for raw text, no for chat-rendered text
+    input_format: str = "auto"  # parquet, jsonl, csv, openai; auto: from the file's name and first bytes
     sampling: SamplingParams = field(default_factory=lambda: SamplingParams(seed=DEFAULT_SEED))
 
     def __post_init__(self) -> None:
@@ -75,6 +76,8 @@ class JobSpec:
         if self.system_prompt is not None and self.messages_column is None and not self.chat:
             raise ConfigError("--system-prompt needs chat rendering: add --chat (raw prompt as a user message) "
                               "or use --messages-column")
+        if self.input_format not in INPUT_FORMATS:
+            raise ConfigError(f"input format must be one of {', '.join(INPUT_FORMATS)}, got {self.input_format!r}")
         if self.sampling.seed is None:
             object.__setattr__(self, "sampling", self.sampling.replace(seed=DEFAULT_SEED))
 

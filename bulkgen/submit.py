@@ -16,7 +16,7 @@ import pyarrow as pa
 
 from bulkgen.config import Paths
 from bulkgen.errors import ConfigError, InputError
-from bulkgen.io.parquet_in import InputFile
+from bulkgen.io.rows import InputFile
 from bulkgen.jobspec import JobSpec
 from bulkgen.resolve import load_tokenizer, model_context_length, resolve_model
 from bulkgen.store import Store
@@ -52,7 +52,7 @@ def submit_job(store: Store, spec: JobSpec, paths: Paths | None = None,
                log: Callable[[str], None] | None = None,
                on_rows: Callable[[int], None] | None = None) -> SubmitReport:
     start = time.perf_counter()
-    source = InputFile(spec.input, spec.columns)
+    source = InputFile(spec.input, spec.columns, spec.input_format)
     model = resolve_model(spec.model, paths, log)
     renderer = PromptRenderer(spec, model.path)
 
@@ -81,6 +81,8 @@ def submit_job(store: Store, spec: JobSpec, paths: Paths | None = None,
                 pending = []
             if on_rows:
                 on_rows(batch.num_rows)
+        if num_rows == 0:
+            raise InputError(f"{source.path} has no rows: nothing to submit")
         if num_requests and num_failed == num_requests:
             row, error = first_error
             raise InputError(f"no row of {source.path} can run: all {num_rows} rows are bad (row {row}: {error}); "

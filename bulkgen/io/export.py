@@ -17,6 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from bulkgen.errors import InputError
+from bulkgen.io.rows import InputColumns, InputFile
 from bulkgen.store import Store
 from bulkgen.store.jobs import get_job, results_page
 from bulkgen.store.models import Job, JobStatus, RequestState, unpack_ids
@@ -98,7 +99,7 @@ def _umask() -> int:
     return mask
 
 
-def _open_input(job: Job, override: Path | None) -> pq.ParquetFile:
+def _open_input(job: Job, override: Path | None) -> InputFile:
     path = Path(override or job.input_path)
     if not path.is_file():
         raise InputError(f"job {job.id}'s input {path} is gone: give its new place with --input PATH, "
@@ -107,14 +108,10 @@ def _open_input(job: Job, override: Path | None) -> pq.ParquetFile:
     if override is None and job.input_fingerprint != f"size={stat.st_size};mtime_ns={stat.st_mtime_ns}":
         raise InputError(f"{path} changed since job {job.id} was submitted, so its rows may not line up: "
                          "point --input at the original file, or use --no-include-inputs")
-    try:
-        source = pq.ParquetFile(path)
-    except (pa.ArrowInvalid, OSError) as exc:
-        raise InputError(f"cannot read input {path}: {exc}") from exc
-    return source
+    return InputFile(path, InputColumns(), job.spec.get("input_format") or "auto")
 
 
-def _tables(store: Store, job: Job, source: pq.ParquetFile | None, include_token_ids: bool):
+def _tables(store: Store, job: Job, source: InputFile | None, include_token_ids: bool):
     include_logprobs = (job.spec.get("sampling") or {}).get("logprobs") is not None
     if source is None:
         start = 0
@@ -125,9 +122,9 @@ def _tables(store: Store, job: Job, source: pq.ParquetFile | None, include_token
             yield table
             start += PAGE_ROWS
     renamed = [f"input_{name}" if name in RESULT_SCHEMA.names or name == "output_token_ids" else name
-               for name in source.schema_arrow.names]
+               for name in source.schema.names]
     start = 0
-    for batch in source.iter_batches(batch_size=PAGE_ROWS):
+    for batch in source.batches(PAGE_ROWS, all_columns=True):
         end = start + batch.num_rows
         results = _results_table(store, job.id, start, end, include_token_ids, include_logprobs)
         if results is not None:
