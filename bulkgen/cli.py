@@ -112,6 +112,10 @@ def emit_json(data: Any) -> None:
 @click.option("--top-k", type=int, help="Keep the k most likely tokens; 0 (default) is off.")
 @click.option("--min-p", type=float, help="Drop tokens below min-p × the top probability; 0 is off.")
 @click.option("--repetition-penalty", type=float, help="> 1 discourages repeats; 1 (default) is off.")
+@click.option("--frequency-penalty", type=float, help="OpenAI's: in [-2, 2], minus this x each token's count in "
+                                                    "the output so far; 0 (default) is off.")
+@click.option("--presence-penalty", type=float, help="OpenAI's: in [-2, 2], minus this for each token already in the "
+                                                   "output; 0 (default) is off.")
 @click.option("--stop", multiple=True, help="Stop string (repeatable); removed from the output.")
 @click.option("--stop-token-id", "stop_token_ids", type=int, multiple=True, help="Stop token id (repeatable).")
 @click.option("--seed", type=int, help="Job seed; each request derives its own from it. Default 0.")

@@ -34,6 +34,8 @@ class SamplingParams:
     top_k: int = 0  # 0: no top-k filter
     min_p: float = 0.0  # 0: no min-p filter
     repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0  # OpenAI's: minus this x how often the token is in the output so far
+    presence_penalty: float = 0.0  # OpenAI's: minus this if the token is in the output so far
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False  # benchmarks: generate exactly max_new_tokens
@@ -53,6 +55,10 @@ class SamplingParams:
                f"min-p must be in [0, 1), got {self.min_p!r}")
         _check(_is_number(self.repetition_penalty) and self.repetition_penalty > 0,
                f"repetition-penalty must be > 0 (1 turns it off), got {self.repetition_penalty!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            _check(_is_number(value) and -2 <= value <= 2,
+                   f"{name.replace('_', '-')} must be in [-2, 2] (0 turns it off), got {value!r}")
         _check(all(isinstance(s, str) and s for s in self.stop),
                f"stop strings must be non-empty strings, got {list(self.stop)!r}")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),

@@ -27,7 +27,8 @@ FILE_KEY_TYPES = {
     "input": _TEXT, "model": _TEXT, "name": _TEXT, "prompt_column": _TEXT, "messages_column": _TEXT,
     "id_column": _TEXT, "max_new_tokens_column": _TEXT, "system_prompt": _TEXT, "chat": _FLAG, "n": _WHOLE,
     "add_special_tokens": _FLAG, "max_new_tokens": _WHOLE, "temperature": _NUMBER, "top_p": _NUMBER,
-    "top_k": _WHOLE, "min_p": _NUMBER, "repetition_penalty": _NUMBER, "stop": _TEXTS, "stop_token_ids": _WHOLES,
+    "top_k": _WHOLE, "min_p": _NUMBER, "repetition_penalty": _NUMBER,
+    "frequency_penalty": _NUMBER, "presence_penalty": _NUMBER, "stop": _TEXTS, "stop_token_ids": _WHOLES,
     "ignore_eos": _FLAG, "seed": _WHOLE, "logprobs": _WHOLE, "input_format": _TEXT,
 }
 

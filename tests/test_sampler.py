@@ -110,3 +110,23 @@ def test_repetition_penalties_of_many_rows_equal_one_row_at_a_time() -> None:
         for token in set(ids):
             want[token] = want[token] * penalty if want[token] < 0 else want[token] / penalty
         assert torch.equal(batched[row], want)
+
+
+def test_frequency_and_presence_penalties_count_the_output_so_far() -> None:
+    from bulkgen.engine.sampler import apply_output_penalties
+
+    logits = torch.zeros(2, 6)
+    apply_output_penalties(logits, [0, 1], [[1, 1, 3], []], [0.5, 0.5], [1.0, 1.0])
+    assert logits[0].tolist() == [0.0, -2.0, 0.0, -1.5, 0.0, 0.0] and logits[1].tolist() == [0.0] * 6
+
+
+def test_sample_applies_output_penalties_to_its_rows_only() -> None:
+    from bulkgen.engine.sampler import sample
+    from bulkgen.engine.sequence import Sequence
+
+    logits = torch.tensor([[0.0, 3.0, 2.0, 0.0]] * 2)
+    seqs = [Sequence(i, [0], SamplingParams(frequency_penalty=1.0 if i == 0 else 0.0)) for i in range(2)]
+    for seq in seqs:
+        seq.append_token(1)
+        seq.append_token(1)  # token 1 twice in the output: 3 - 2 x 1.0 = 1 < 2
+    assert sample(logits.clone(), seqs, set()).token_ids == [2, 1]

@@ -62,6 +62,11 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Collection
     if penalised:
         apply_repetition_penalties(processed, penalised, [seqs[i].token_ids for i in penalised],
                                    [seqs[i].params.repetition_penalty for i in penalised])
+    counted = [i for i, s in enumerate(seqs) if s.params.frequency_penalty or s.params.presence_penalty]
+    if counted:
+        apply_output_penalties(processed, counted, [seqs[i].output_token_ids for i in counted],
+                               [seqs[i].params.frequency_penalty for i in counted],
+                               [seqs[i].params.presence_penalty for i in counted])
     argmax = argmax or (lambda x: x.argmax(dim=-1))
     drawn = [i for i, s in enumerate(seqs) if not s.params.is_greedy]
     if not drawn:
@@ -87,7 +92,8 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Collection
 
 
 def _modifies(seqs: list[Sequence], eos_token_ids: Collection[int]) -> bool:
-    return any((s.params.ignore_eos and eos_token_ids) or s.params.repetition_penalty != 1.0 for s in seqs)
+    return any((s.params.ignore_eos and eos_token_ids) or s.params.repetition_penalty != 1.0
+               or s.params.frequency_penalty or s.params.presence_penalty for s in seqs)
 
 
 def apply_repetition_penalties(logits: torch.Tensor, rows: list[int], token_ids: Seq[Seq[int]],
@@ -113,6 +119,26 @@ def apply_repetition_penalties(logits: torch.Tensor, rows: list[int], token_ids:
     scores = sub.gather(1, index_t)
     sub.scatter_(1, index_t, torch.where(scores < 0, scores * penalty, scores / penalty))
     logits[row_t] = sub
+
+
+def apply_output_penalties(logits: torch.Tensor, rows: list[int], output_ids: Seq[Seq[int]],
+                           frequency: list[float], presence: list[float]) -> None:
+    """As OpenAI (and vLLM): each row's logits minus frequency x the token's count in its output so far,
+    minus presence where that count is above 0. Counts for all rows in one scatter-add."""
+    vocab = logits.shape[1]
+    width = max((len(ids) for ids in output_ids), default=0)
+    if width == 0:
+        return
+    index = np.full((len(rows), width), vocab, dtype=np.int64)  # padding counts into a column dropped below
+    for r, ids in enumerate(output_ids):
+        index[r, :len(ids)] = ids
+    device = logits.device
+    index_t = to_device(index, device)
+    counts = torch.zeros(len(rows), vocab + 1, device=device).scatter_add_(
+        1, index_t, torch.ones(index_t.shape, device=device))[:, :vocab]
+    penalties = to_device(np.array([frequency, presence], dtype=np.float32).T.copy(), device)
+    row_t = to_device(np.array(rows, dtype=np.int64), device)
+    logits[row_t] -= penalties[:, 0:1] * counts + penalties[:, 1:2] * (counts > 0)
 
 
 def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
