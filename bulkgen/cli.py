@@ -426,10 +426,15 @@ def _run_on_ray(store, db_url: str, engine_config, options, ray_options, progres
 @click.option("--input", "input_path", type=click.Path(path_type=Path),
               help="Where the input file is now, if it moved since submit.")
 @click.option("--include-token-ids", is_flag=True, help="Add the output token ids (output_token_ids column).")
+@click.option("--format", "fmt", type=click.Choice(("auto", "parquet", "jsonl", "openai")), default="auto",
+              show_default=True, help="auto: by the output's name (.parquet, .jsonl); openai: OpenAI's batch output "
+                                      "format, a line per input line.")
+@click.option("--errors", "errors_path", type=click.Path(path_type=Path),
+              help="With --format openai: failed lines go to this file instead (as OpenAI's error file).")
 @json_option
 @db_option
 def export(job_id: int, output: Path, include_inputs: bool, input_path: Path | None, include_token_ids: bool,
-           as_json: bool, db_url: str) -> None:
+           fmt: str, errors_path: Path | None, as_json: bool, db_url: str) -> None:
     """Write a job's results, one row per request in input order, joined to the input columns.
 
     Columns: row, sample, custom_id, status, output, finish_reason, num_prompt_tokens,
@@ -441,12 +446,18 @@ def export(job_id: int, output: Path, include_inputs: bool, input_path: Path | N
     Example:
       bulkgen export 1 -o demo.out.parquet
       bulkgen export 1 -o demo.out.jsonl --no-include-inputs
+      bulkgen export 2 --format openai -o batch_output.jsonl --errors batch_errors.jsonl
     """
-    from bulkgen.io.export import export_job
+    from bulkgen.io.export import export_job, export_openai
 
+    if errors_path is not None and fmt != "openai":
+        raise click.UsageError("--errors goes with --format openai")
     store = open_db(db_url)
-    report = export_job(store, job_id, output, include_inputs=include_inputs, input_path=input_path,
-                        include_token_ids=include_token_ids)
+    if fmt == "openai":
+        report = export_openai(store, job_id, output, errors_path)
+    else:
+        report = export_job(store, job_id, output, include_inputs=include_inputs, input_path=input_path,
+                            include_token_ids=include_token_ids, fmt=None if fmt == "auto" else fmt)
     if as_json:
         emit_json(report.to_dict())
         return

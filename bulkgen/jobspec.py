@@ -118,6 +118,7 @@ def build_spec(input_path: Path, options: dict[str, Any]) -> JobSpec:
     if "input" not in values:
         raise ConfigError(f"job file {input_path} does not name its input: add input = \"data.parquet\"")
     sampling = {k: values.pop(k) for k in list(values) if k in SAMPLING_KEYS}
+    _openai_defaults(values, sampling)
     known = {f.name for f in fields(JobSpec)}
     unknown = sorted(set(values) - known)
     if unknown:
@@ -126,6 +127,25 @@ def build_spec(input_path: Path, options: dict[str, Any]) -> JobSpec:
         return JobSpec(**values, sampling=SamplingParams.from_dict(sampling))
     except TypeError as exc:
         raise ConfigError(f"invalid job setting: {exc}") from exc
+
+
+def _openai_defaults(values: dict[str, Any], sampling: dict[str, Any]) -> None:
+    """An OpenAI batch file's job runs the model its first line names unless --model says, and, as OpenAI
+    does, samples at temperature 1 where neither a line nor --temperature says otherwise."""
+    path = Path(values["input"]).expanduser()
+    if not path.is_file() or values.get("input_format", "auto") not in ("auto", "openai"):
+        return
+    from bulkgen.io import openai_batch
+    from bulkgen.io.rows import detect_format
+
+    if detect_format(path, values.get("input_format", "auto")) != "openai":
+        return
+    if "model" not in values:
+        named = openai_batch.first_model(path)
+        if named is None:
+            raise ConfigError(f"{path.name}: its first line names no model; give --model")
+        values["model"] = named
+    sampling.setdefault("temperature", 1.0)
 
 
 def read_job_file(path: Path) -> dict[str, Any]:

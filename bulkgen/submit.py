@@ -1,4 +1,5 @@
-"""Submit: a Parquet file becomes a job of requests, each rendered, tokenized once and seeded.
+"""Submit: a file of rows (Parquet, JSONL, CSV) or an OpenAI batch file becomes a job of requests, each
+rendered, tokenized once and seeded.
 
 Everything that can be checked before writing (the file, its columns, the flags, the model) is checked
 first, so a refused submit leaves no job behind. A bad row becomes a failed request with its reason.
@@ -9,14 +10,15 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pyarrow as pa
 
 from bulkgen.config import Paths
 from bulkgen.errors import ConfigError, InputError
-from bulkgen.io.rows import InputFile
+from bulkgen.io import openai_batch
+from bulkgen.io.rows import InputFile, detect_format
 from bulkgen.jobspec import JobSpec
 from bulkgen.resolve import load_tokenizer, model_context_length, resolve_model
 from bulkgen.store import Store
@@ -52,7 +54,11 @@ def submit_job(store: Store, spec: JobSpec, paths: Paths | None = None,
                log: Callable[[str], None] | None = None,
                on_rows: Callable[[int], None] | None = None) -> SubmitReport:
     start = time.perf_counter()
+    path = spec.input.expanduser().resolve()
+    if path.is_file() and detect_format(path, spec.input_format) == "openai":
+        return submit_openai(store, replace(spec, input=path, input_format="openai"), paths, log, on_rows)
     source = InputFile(spec.input, spec.columns, spec.input_format)
+    spec = replace(spec, input_format=source.format)
     model = resolve_model(spec.model, paths, log)
     renderer = PromptRenderer(spec, model.path)
 
@@ -95,6 +101,66 @@ def submit_job(store: Store, spec: JobSpec, paths: Paths | None = None,
             job_ops.delete_job(session, job_id)
         raise
     return SubmitReport(job_id, num_rows, num_requests, num_failed, num_prompt_tokens,
+                        time.perf_counter() - start, str(model.path))
+
+
+def submit_openai(store: Store, spec: JobSpec, paths: Paths | None = None, log: Callable[[str], None] | None = None,
+                  on_rows: Callable[[int], None] | None = None) -> SubmitReport:
+    """An OpenAI batch file (io/openai_batch.py): each line a row of `n` requests with the line's own
+    settings; a line that cannot run fails alone, a file that is not a batch file is refused whole."""
+    start = time.perf_counter()
+    model = resolve_model(spec.model, paths, log)
+    renderer = PromptRenderer(spec, model.path)
+    fingerprint = f"size={spec.input.stat().st_size};mtime_ns={spec.input.stat().st_mtime_ns}"
+    with store.session_scope(write=True) as session:
+        job_id = job_ops.create_job(
+            session, name=spec.name, model=spec.model, model_path=str(model.path), input_path=str(spec.input),
+            input_fingerprint=fingerprint, input_columns=["custom_id"], spec=spec.to_dict()).id
+    counts = {"rows": 0, "requests": 0, "failed": 0, "prompt_tokens": 0}
+    first_error: tuple[int, str] | None = None
+    try:
+        pending: list[dict[str, Any]] = []
+        chunk: list[openai_batch.BatchLine] = []
+
+        def flush() -> None:
+            nonlocal first_error
+            rows = renderer.openai_requests(job_id, chunk, first_row=counts["rows"])
+            counts["rows"] += len(chunk)
+            counts["requests"] += len(rows)
+            failed = [r for r in rows if r["state"] == RequestState.FAILED.value]
+            counts["failed"] += len(failed)
+            if failed and first_error is None:
+                first_error = failed[0]["row"], failed[0]["error"]
+            counts["prompt_tokens"] += sum(r["num_prompt_tokens"] for r in rows)
+            pending.extend(rows)
+            if on_rows:
+                on_rows(len(chunk))
+            chunk.clear()
+
+        for line in openai_batch.read_lines(spec.input):
+            chunk.append(line)
+            if len(chunk) >= openai_batch.LINES_PER_BATCH:
+                flush()
+                if len(pending) >= ROWS_PER_TRANSACTION:
+                    with store.session_scope(write=True) as session:
+                        job_ops.insert_requests(session, pending)
+                    pending.clear()
+        if chunk:
+            flush()
+        if counts["rows"] == 0:
+            raise InputError(f"{spec.input.name} has no request lines: nothing to submit")
+        if counts["failed"] == counts["requests"]:
+            row, error = first_error
+            raise InputError(f"no line of {spec.input.name} can run: all {counts['rows']} fail (line of row {row}: "
+                             f"{error}); nothing was submitted")
+        with store.session_scope(write=True) as session:
+            job_ops.insert_requests(session, pending)
+            job_ops.open_job(session, job_id, counts["requests"])
+    except BaseException:
+        with store.session_scope(write=True) as session:
+            job_ops.delete_job(session, job_id)
+        raise
+    return SubmitReport(job_id, counts["rows"], counts["requests"], counts["failed"], counts["prompt_tokens"],
                         time.perf_counter() - start, str(model.path))
 
 
@@ -157,6 +223,62 @@ class PromptRenderer:
                     "attempts": 0, "error": error, "updated_at": now,
                 })
         return out
+
+    def openai_requests(self, job_id: int, lines: list[openai_batch.BatchLine], first_row: int) -> list[dict[str, Any]]:
+        """Request rows of OpenAI batch lines: n a line, the line's settings kept in `params`."""
+        spec = self.spec
+        prepared: list[tuple[dict[str, Any], int, str, str | None, bool]] = []  # own, n, url, text, special
+        errors: list[str | None] = []
+        for line in lines:
+            try:
+                if line.error:
+                    raise ValueError(line.error)
+                own, n, url = openai_batch.line_settings(line, spec.sampling, spec.model)
+                text, special = openai_batch.render(line, self._chat_template)
+                prepared.append((own, n, url, text, special))
+                errors.append(None)
+            except ValueError as exc:
+                prepared.append(({}, 1, line.url, None, False))
+                errors.append(str(exc))
+        token_ids: list[list[int] | None] = [None] * len(lines)
+        for special in (True, False):
+            which = [i for i, p in enumerate(prepared) if p[3] is not None and p[4] is special]
+            if which:
+                encoded = self.tokenizer([prepared[i][3] for i in which], add_special_tokens=special)["input_ids"]
+                for i, ids in zip(which, encoded, strict=True):
+                    token_ids[i] = ids
+        now = utcnow()
+        out = []
+        for i, line in enumerate(lines):
+            own, n, url, text, _ = prepared[i]
+            own = dict(own)
+            ids = token_ids[i]
+            max_new = own.pop("max_new_tokens", spec.sampling.max_new_tokens)
+            line_seed = own.pop("seed", None)
+            error = errors[i] or self._check(ids, max_new)
+            row = first_row + i
+            for sample in range(n):
+                out.append({
+                    "job_id": job_id, "row": row, "sample": sample, "custom_id": line.custom_id, "prompt": text,
+                    "prompt_token_ids": pack_ids(ids) if error is None else None,
+                    "num_prompt_tokens": len(ids) if ids is not None else 0, "max_new_tokens": max_new,
+                    # a line's own seed gives the same samples wherever the line sits in the file
+                    "seed": request_seed(line_seed, 0, sample) if line_seed is not None
+                    else request_seed(spec.sampling.seed or 0, row, sample),
+                    "state": RequestState.FAILED.value if error else RequestState.PENDING.value,
+                    "attempts": 0, "error": error, "updated_at": now,
+                    "params": {"sampling": own, "openai": {"url": url, "model": spec.model}},
+                })
+        return out
+
+    def _chat_template(self, messages: list[dict[str, Any]]) -> str:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"model {self.spec.model} has no chat template: send {openai_batch.COMPLETIONS_URL} "
+                             "requests instead")
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # a template may raise anything on messages it rejects
+            raise ValueError(f"chat template failed: {exc}") from exc
 
     def _render(self, columns: dict[str, list[Any]], i: int) -> tuple[str | None, str | None]:
         spec = self.spec

@@ -222,10 +222,13 @@ class Worker:
             claimed = q.claim(session, self.worker_id, job_ids, limit, self.options.lease_s, self.options.packing)
         self.writer.hold(claimed)
         for request in claimed:
-            sampling = params[request.job_id].replace(max_new_tokens=request.max_new_tokens, seed=request.seed)
             try:
+                sampling = params[request.job_id].replace(max_new_tokens=request.max_new_tokens, seed=request.seed)
+                own = (request.params or {}).get("sampling")
+                if own:
+                    sampling = SamplingParams.from_dict({**sampling.to_dict(), **own})
                 engine.add(request.id, unpack_ids(request.prompt_token_ids), sampling)
-            except PromptTooLongError as exc:
+            except (PromptTooLongError, ConfigError) as exc:  # a request's own settings checked at submit too
                 self.writer.fail(request.id, str(exc))
         return len(claimed)
 

@@ -6,10 +6,12 @@ memory stays flat. The output is written to a temporary file and renamed: a read
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import tempfile
 from dataclasses import dataclass
+from datetime import UTC
 from pathlib import Path
 from typing import Any
 
@@ -55,25 +57,16 @@ class ExportReport:
 
 
 def export_job(store: Store, job_id: int, out: Path, include_inputs: bool = True, input_path: Path | None = None,
-               include_token_ids: bool = False) -> ExportReport:
-    fmt = FORMATS.get(out.suffix.lower())
+               include_token_ids: bool = False, fmt: str | None = None) -> ExportReport:
+    fmt = fmt or FORMATS.get(out.suffix.lower())
     if fmt is None:
         raise InputError(f"cannot tell the export format from {out.name!r}: name it .parquet or .jsonl")
     with store.session_scope() as session:
         job = get_job(session, job_id)
         session.expunge(job)
-    source = _open_input(job, input_path) if include_inputs else None
-    out = out.expanduser().resolve()
-    if out.is_dir():
-        raise InputError(f"cannot export to {out}: it is a directory; give a file in it, such as {out / 'results.parquet'}")
-    if not out.parent.is_dir():
-        raise InputError(f"cannot export to {out}: the directory {out.parent} does not exist; create it first")
-    try:
-        handle, tmp_name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
-    except OSError as exc:
-        raise InputError(f"cannot write in {out.parent} ({exc.strerror}): export to a directory you can write") from exc
-    os.close(handle)
-    os.chmod(tmp_name, 0o666 & ~_umask())  # mkstemp makes it 0600; the export gets what open() would give
+    openai_input = (job.spec.get("input_format") or "") == "openai"
+    source = _open_input(job, input_path) if include_inputs and not openai_input else None
+    out, tmp_name = _temporary(out)
     writer = _ParquetSink(Path(tmp_name)) if fmt == "parquet" else _JsonlSink(Path(tmp_name))
     counts = {"rows": 0, "completed": 0, "failed": 0}
     try:
@@ -91,6 +84,84 @@ def export_job(store: Store, job_id: int, out: Path, include_inputs: bool = True
             os.unlink(tmp_name)
     partial = job.status in (JobStatus.SUBMITTING.value, JobStatus.QUEUED.value, JobStatus.RUNNING.value)
     return ExportReport(out, counts["rows"], counts["completed"], counts["failed"], partial)
+
+
+def _temporary(out: Path) -> tuple[Path, str]:
+    """The resolved output path and a temporary file beside it (renamed onto it when complete)."""
+    out = out.expanduser().resolve()
+    if out.is_dir():
+        raise InputError(f"cannot export to {out}: it is a directory; give a file in it, such as {out / 'results.parquet'}")
+    if not out.parent.is_dir():
+        raise InputError(f"cannot export to {out}: the directory {out.parent} does not exist; create it first")
+    try:
+        handle, tmp_name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+    except OSError as exc:
+        raise InputError(f"cannot write in {out.parent} ({exc.strerror}): export to a directory you can write") from exc
+    os.close(handle)
+    os.chmod(tmp_name, 0o666 & ~_umask())  # mkstemp makes it 0600; the export gets what open() would give
+    return out, tmp_name
+
+
+def export_openai(store: Store, job_id: int, out: Path, errors: Path | None = None) -> ExportReport:
+    """The OpenAI batch output format (io/openai_batch.py): a line per input line, in input order; failed lines
+    in `errors` if given (as OpenAI's error file), else in `out` too. Lines not finished yet are left out."""
+    from bulkgen.io.openai_batch import output_line
+
+    with store.session_scope() as session:
+        job = get_job(session, job_id)
+        session.expunge(job)
+    targets = [_temporary(out)] + ([_temporary(errors)] if errors is not None else [])
+    handles = [open(tmp, "w", encoding="utf-8") for _, tmp in targets]
+    main, failed_to = handles[0], handles[-1]
+    counts = {"rows": 0, "completed": 0, "failed": 0}
+    decode = _token_decoder(job.model_path)
+    try:
+        start = 0
+        while True:
+            with store.session_scope() as session:
+                rows = results_page(session, job.id, start, start + PAGE_ROWS)
+            if not rows:
+                break
+            for row, samples in itertools.groupby(rows, key=lambda r: r.row):
+                samples = list(samples)
+                if any(s.state in (RequestState.PENDING.value, RequestState.RUNNING.value) for s in samples):
+                    continue
+                finished = [s.finished_at for s in samples if s.finished_at is not None]
+                created = int(max(finished).replace(tzinfo=UTC).timestamp()) if finished else 0
+                line = output_line(samples[0].custom_id or str(row), job.id, row, samples[0].params or {}, samples,
+                                   created, decode)
+                ok = line["error"] is None
+                (main if ok else failed_to).write(json.dumps(line, ensure_ascii=False) + "\n")
+                counts["rows"] += 1
+                counts["completed" if ok else "failed"] += 1
+            start += PAGE_ROWS
+        for handle in handles:
+            handle.close()
+        for path, tmp in targets:
+            os.replace(tmp, path)
+    finally:
+        for handle in handles:
+            handle.close()
+        for _, tmp in targets:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    partial = job.status in (JobStatus.SUBMITTING.value, JobStatus.QUEUED.value, JobStatus.RUNNING.value)
+    return ExportReport(targets[0][0], counts["rows"], counts["completed"], counts["failed"], partial)
+
+
+def _token_decoder(model_path: str):
+    """Token ids -> their text, one by one (log-probabilities' tokens); the tokenizer loaded on first use."""
+    tokenizer = None
+
+    def decode(ids: list[int]) -> list[str]:
+        nonlocal tokenizer
+        if tokenizer is None:
+            from bulkgen.resolve import load_tokenizer
+
+            tokenizer = load_tokenizer(Path(model_path))
+        return [tokenizer.decode([i]) for i in ids]
+
+    return decode
 
 
 def _umask() -> int:

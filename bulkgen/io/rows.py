@@ -49,7 +49,8 @@ def detect_format(path: Path, forced: str = "auto") -> str:
         except json.JSONDecodeError:
             obj = None
         if isinstance(obj, dict):
-            return "openai" if OPENAI_KEYS <= obj.keys() else "jsonl"
+            # custom_id and one of method/url/body: a batch file (a line missing the rest is its error)
+            return "openai" if "custom_id" in obj and len(OPENAI_KEYS & obj.keys()) >= 2 else "jsonl"
     if kind == "jsonl":
         return "jsonl"  # its first line is bad: reading it says where
     raise InputError(f"cannot tell the format of {path.name}: name it .parquet, .jsonl or .csv, or give "

@@ -129,7 +129,7 @@ def results_page(session: Session, job_id: int, start: int, end: int) -> list[An
     query = (select(Request.row, Request.sample, Request.custom_id, Request.state, Request.error,
                     Request.num_prompt_tokens, Result.text, Result.finish_reason, Result.num_output_tokens,
                     Result.num_cached_tokens, Result.time_to_first_token_s, Result.latency_s,
-                    Result.token_ids, Result.logprobs)
+                    Result.token_ids, Result.logprobs, Request.params, Result.finished_at)
              .outerjoin(Result, Result.request_id == Request.id)
              .where(Request.job_id == job_id, Request.row >= start, Request.row < end)
              .order_by(Request.row, Request.sample))

@@ -110,7 +110,10 @@ class Request(Base):
     prompt: Mapped[str | None] = mapped_column(Text)  # rendered text, as tokenized
     prompt_token_ids: Mapped[bytes | None] = mapped_column(LargeBinary)  # see pack_ids
     num_prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
-    max_new_tokens: Mapped[int] = mapped_column(Integer)  # the rest of sampling is the job's
+    max_new_tokens: Mapped[int] = mapped_column(Integer)  # the rest of sampling is the job's, unless params say
+    # A request's own settings, where its line gave them (OpenAI batch files): {"sampling": {field: value}
+    # over the job's, "openai": {"url", "model"}}; None for rows of a table
+    params: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     seed: Mapped[int] = mapped_column(BigInteger)
     state: Mapped[str] = mapped_column(String(16), default=RequestState.PENDING.value)
     attempts: Mapped[int] = mapped_column(Integer, default=0)

@@ -36,6 +36,7 @@ class ClaimedRequest:
     max_new_tokens: int
     seed: int
     attempts: int
+    params: dict[str, Any] | None = None  # the request's own settings (models.Request.params)
 
 
 def register_worker(session: Session, worker_id: str) -> None:
@@ -102,7 +103,7 @@ def claim(session: Session, worker_id: str, job_ids: list[int], limit: int, leas
     if limit <= 0 or not job_ids:
         return []
     query = (select(Request.id, Request.job_id, Request.row, Request.sample, Request.prompt_token_ids,
-                    Request.max_new_tokens, Request.seed, Request.attempts)
+                    Request.max_new_tokens, Request.seed, Request.attempts, Request.params)
              .where(Request.job_id.in_(job_ids), Request.state == RequestState.PENDING.value))
     keys = [getattr(Request, field).desc() if descending else getattr(Request, field)
             for field, descending in SORT_KEYS[order]]
@@ -124,7 +125,7 @@ def claim(session: Session, worker_id: str, job_ids: list[int], limit: int, leas
     session.execute(update(Job).where(Job.id.in_(started), Job.status == JobStatus.QUEUED.value)
                     .values(status=JobStatus.RUNNING.value, started_at=func.coalesce(Job.started_at, now)))
     return [ClaimedRequest(r.id, r.job_id, r.row, r.sample, r.prompt_token_ids, r.max_new_tokens, r.seed,
-                           r.attempts + 1) for r in rows]
+                           r.attempts + 1, r.params) for r in rows]
 
 
 def commit_results(session: Session, worker_id: str, results: list[dict[str, Any]],
