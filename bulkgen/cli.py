@@ -143,7 +143,7 @@ def submit(source: Path, as_json: bool, db_url: str, **options: Any) -> None:
       bulkgen submit rows.jsonl --prompt-column text        # or rows.csv: streamed, same checks
     """
     from bulkgen.jobspec import build_spec
-    from bulkgen.submit import submit_job
+    from bulkgen.submission import submit_job
 
     spec = build_spec(source, options)
     store = open_db(db_url)

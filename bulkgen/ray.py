@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from bulkgen.api import OUTPUT_COLUMNS, Generate  # the engine as a Ray Data stage (it needs no Ray itself)
 from bulkgen.config import EngineConfig
 from bulkgen.errors import BulkgenError, ConfigError
 from bulkgen.progress import Progress
@@ -28,6 +29,8 @@ from bulkgen.store import Store
 from bulkgen.store import jobs as job_ops
 from bulkgen.store import queue as q
 from bulkgen.worker import WorkerOptions
+
+__all__ = ["OUTPUT_COLUMNS", "Generate", "RayOptions", "generate", "run_on_ray"]
 
 log = logging.getLogger(__name__)
 
@@ -299,88 +302,6 @@ def _first_line(exc: BaseException) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- Ray Data
-
-OUTPUT_COLUMNS = ("output", "finish_reason", "num_prompt_tokens", "num_output_tokens", "error")  # as export's
-
-
-class Generate:
-    """bulkgen's engine as a Ray Data stage: `dataset.map_batches(Generate, fn_constructor_kwargs={...},
-    batch_format="pyarrow", concurrency=N, num_gpus=1)`, or `generate(dataset, ...)` below. Each batch comes
-    back with export's output columns added (output, finish_reason, num_prompt_tokens, num_output_tokens,
-    error): prompts rendered and checked as `submit` does, run together through one continuous-batching
-    engine per actor. A bad row gets its error and the batch goes on.
-
-    Options are submit's and run's: model, prompt_column / messages_column, chat, system_prompt,
-    max_new_tokens_column, sampling (a dict of SamplingParams fields: max_new_tokens, temperature, top_p,
-    ..., seed), engine (a dict of EngineConfig fields: dtype, kv_cache_memory, max_num_seqs, ...). A sampled
-    row's seed derives from the job seed and the row's prompt, so it does not depend on Ray's batching."""
-
-    def __init__(self, model: str | None = None, prompt_column: str | None = None,
-                 messages_column: str | None = None, chat: bool = False, system_prompt: str | None = None,
-                 max_new_tokens_column: str | None = None, sampling: dict[str, Any] | None = None,
-                 engine: dict[str, Any] | None = None, packing: str = "lpt") -> None:
-        from pathlib import Path
-
-        from bulkgen.config import SamplingParams
-        from bulkgen.engine.engine import Engine
-        from bulkgen.jobspec import JobSpec
-        from bulkgen.packing import admission_for
-        from bulkgen.resolve import DEFAULT_MODEL, resolve_model
-        from bulkgen.submit import PromptRenderer
-
-        sampling_params = SamplingParams.from_dict({"seed": 0, **(sampling or {})})
-        self.spec = JobSpec(input=Path("<ray dataset>"), model=model or DEFAULT_MODEL, prompt_column=prompt_column,
-                            messages_column=messages_column, chat=chat, system_prompt=system_prompt,
-                            max_new_tokens_column=max_new_tokens_column, sampling=sampling_params)
-        resolved = resolve_model(self.spec.model)
-        self.renderer = PromptRenderer(self.spec, resolved.path)
-        engine = dict(engine or {})
-        if isinstance(engine.get("kv_cache_memory"), str):
-            from bulkgen.config import parse_size
-
-            engine["kv_cache_memory"] = parse_size(engine["kv_cache_memory"])
-        self.engine = Engine(resolved.path, EngineConfig(**engine), tokenizer=self.renderer.tokenizer,
-                             admission=admission_for(packing, True))
-
-    def __call__(self, batch: Any) -> Any:
-        import hashlib
-
-        import pyarrow as pa
-
-        from bulkgen.store.models import unpack_ids
-
-        table = batch if isinstance(batch, pa.Table) else pa.table(batch)
-        rows = self.renderer.requests(0, table.combine_chunks().to_batches()[0] if table.num_rows else
-                                      pa.RecordBatch.from_pylist([], schema=table.schema), first_row=0)
-        out: dict[str, list[Any]] = {name: [None] * table.num_rows for name in OUTPUT_COLUMNS}
-        params = self.spec.sampling
-        for row in rows:
-            i = row["row"]
-            out["num_prompt_tokens"][i] = row["num_prompt_tokens"]
-            if row["error"] is not None:
-                out["error"][i] = row["error"]
-                continue
-            ids = unpack_ids(row["prompt_token_ids"])
-            seed = int.from_bytes(hashlib.blake2b(f"{params.seed}:{ids}".encode(), digest_size=8).digest(),
-                                  "little") >> 1
-            self.engine.add(i, ids, params.replace(max_new_tokens=row["max_new_tokens"], seed=seed))
-        while self.engine.has_unfinished():
-            for result in self.engine.step():
-                i = result.request_id
-                if result.finish_reason == "error":  # as export: the error, no output
-                    out["error"][i] = result.error or "generation failed"
-                else:
-                    out["output"][i] = result.text
-                    out["num_output_tokens"][i] = len(result.output_token_ids)
-                out["finish_reason"][i] = result.finish_reason
-        types = {"output": pa.string(), "finish_reason": pa.string(), "num_prompt_tokens": pa.int64(),
-                 "num_output_tokens": pa.int64(), "error": pa.string()}
-        for name in OUTPUT_COLUMNS:
-            column = pa.array(out[name], type=types[name])
-            table = table.set_column(table.schema.get_field_index(name), name, column) \
-                if name in table.column_names else table.append_column(name, column)
-        return table
-
 
 def generate(dataset: Any, *, concurrency: int = 1, num_gpus: float | None = None, num_cpus: float | None = None,
              batch_size: int = 256, **options: Any) -> Any:

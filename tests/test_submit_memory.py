@@ -16,7 +16,7 @@ import json, resource, sys
 from pathlib import Path
 from bulkgen.jobspec import build_spec
 from bulkgen.store import open_store
-from bulkgen.submit import submit_job
+from bulkgen.submission import submit_job
 store = open_store(sys.argv[1])
 spec = build_spec(Path(sys.argv[2]), {"model": sys.argv[3], "max_new_tokens": 16})
 report = submit_job(store, spec)

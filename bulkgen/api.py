@@ -1,0 +1,244 @@
+"""The Python API: what the CLI gives, with the same names.
+
+    import bulkgen
+    job = bulkgen.submit("prompts.parquet", prompt_column="question", max_new_tokens=128)
+    bulkgen.run()                         # the worker loop, until the queue is empty
+    job.status()["counts"]                # as `bulkgen status --json`
+    table = job.results()                 # as `bulkgen export`: a pyarrow.Table, input order
+    bulkgen.generate(["Hello", "Hi"], max_new_tokens=16)   # in memory, no database: for notebooks and tests
+
+Options are the CLI's flags with underscores (`prompt_column`, `max_new_tokens`, `kv_cache_memory="2GiB"`,
+...); errors are the exception types the CLI turns into exit codes (bulkgen.errors: ConfigError, InputError,
+ModelError, StoreError, NotFoundError, all BulkgenError).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from bulkgen.config import EngineConfig, Paths, parse_size
+from bulkgen.errors import ConfigError
+
+OUTPUT_COLUMNS = ("output", "finish_reason", "num_prompt_tokens", "num_output_tokens", "error")  # as export's
+
+
+@dataclass(frozen=True)
+class Job:
+    """A submitted job in a database."""
+
+    id: int
+    db: str
+
+    def status(self) -> dict[str, Any]:
+        """As `bulkgen status JOB --json`: status, counts by state, tokens, throughput, ..."""
+        from bulkgen.store import jobs as job_ops
+        from bulkgen.store import open_store
+
+        with open_store(self.db).session_scope() as session:
+            return job_ops.describe_jobs(session, [job_ops.get_job(session, self.id)])[0]
+
+    def results(self, include_inputs: bool = True, include_token_ids: bool = False) -> Any:
+        """As `bulkgen export`: a pyarrow.Table, one row per request in input order, the input's columns
+        joined (what is committed so far, if the job is still running)."""
+        import pyarrow.parquet as pq
+
+        from bulkgen.io.export import export_job
+        from bulkgen.store import open_store
+
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "results.parquet"
+            export_job(open_store(self.db), self.id, out, include_inputs=include_inputs,
+                       include_token_ids=include_token_ids)
+            return pq.read_table(out)
+
+    def cancel(self) -> int:
+        """As `bulkgen cancel`: the requests cancelled."""
+        from bulkgen.store import jobs as job_ops
+        from bulkgen.store import open_store
+
+        with open_store(self.db).session_scope(write=True) as session:
+            return job_ops.cancel_job(session, self.id)
+
+    def retry(self) -> int:
+        """As `bulkgen retry`: the failed requests queued again."""
+        from bulkgen.store import jobs as job_ops
+        from bulkgen.store import open_store
+
+        with open_store(self.db).session_scope(write=True) as session:
+            return job_ops.retry_job(session, self.id)
+
+
+def submit(source: str | Path | Any | Sequence[Any], db: str | None = None, **options: Any) -> Job:
+    """Submit a job, as `bulkgen submit`. `source`: a path (Parquet, JSONL, CSV, an OpenAI batch file or a job
+    file), a pyarrow.Table, or a list of prompts (strings) or of conversations (lists of {role, content}).
+    A table or list is kept as a Parquet file under bulkgen's data folder (export joins its columns)."""
+    from bulkgen.jobspec import build_spec
+    from bulkgen.store import open_store
+    from bulkgen.submission import submit_job
+
+    path = _as_file(source, options)
+    url = db or Paths().default_db_url
+    spec = build_spec(path, {k: v for k, v in options.items() if v is not None})
+    report = submit_job(open_store(url), spec)
+    return Job(report.job_id, url)
+
+
+def run(job_ids: Sequence[int] | None = None, db: str | None = None, progress: bool = False,
+        **options: Any) -> dict[str, Any]:
+    """Run queued jobs (all, or these) until the queue is empty, as `bulkgen run`; returns its summary (as
+    `bulkgen run --json`). Options: the engine's (dtype, kv_cache_memory, max_num_seqs, ...) and the
+    worker's (lease_s, commit_rows, packing, ...)."""
+    from bulkgen.store import open_store
+    from bulkgen.worker import Worker, WorkerOptions
+
+    engine_keys = {f.name for f in fields(EngineConfig)}
+    worker_keys = {f.name for f in fields(WorkerOptions)} - {"job_ids", "progress"}
+    unknown = sorted(set(options) - engine_keys - worker_keys)
+    if unknown:
+        raise ConfigError(f"unknown run option(s) {unknown}; engine: {sorted(engine_keys)}, worker: "
+                          f"{sorted(worker_keys)}")
+    engine = _engine_config({k: v for k, v in options.items() if k in engine_keys})
+    worker = WorkerOptions(job_ids=tuple(job_ids or ()), progress=progress,
+                           **{k: v for k, v in options.items() if k in worker_keys})
+    return Worker(open_store(db or Paths().default_db_url), engine, worker).run().to_dict()
+
+
+def generate(prompts: Sequence[Any], model: str | None = None, engine: dict[str, Any] | None = None,
+             **sampling: Any) -> list[dict[str, Any]]:
+    """Run prompts (strings, or conversations: lists of {role, content}) through the engine in memory, no
+    database; one dict per prompt, in order, with export's output columns (output, finish_reason,
+    num_prompt_tokens, num_output_tokens, error). `sampling`: max_new_tokens, temperature, top_p, ..., seed;
+    `chat=True` renders string prompts with the chat template; `engine`: EngineConfig's fields."""
+    import pyarrow as pa
+
+    prompts = list(prompts)
+    if not prompts:
+        return []
+    chat = bool(sampling.pop("chat", False))
+    system_prompt = sampling.pop("system_prompt", None)
+    conversations = not isinstance(prompts[0], str)
+    column = "messages" if conversations else "prompt"
+    stage = Generate(model=model, prompt_column=None if conversations else "prompt",
+                     messages_column="messages" if conversations else None, chat=chat, system_prompt=system_prompt,
+                     sampling=sampling, engine=engine)
+    table = stage(pa.table({column: prompts}))
+    return table.select(list(OUTPUT_COLUMNS)).to_pylist()
+
+
+def _as_file(source: Any, options: dict[str, Any]) -> Path:
+    """A path as it is; a table or list written once to a Parquet file of its own."""
+    if isinstance(source, (str, Path)):
+        return Path(source)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if isinstance(source, pa.Table):
+        table = source
+    elif isinstance(source, Sequence) and source:
+        if all(isinstance(p, str) for p in source):
+            table = pa.table({"prompt": list(source)})
+            options.setdefault("prompt_column", "prompt")
+        elif all(isinstance(p, list) for p in source):
+            table = pa.table({"messages": list(source)})
+            options.setdefault("messages_column", "messages")
+        else:
+            raise ConfigError("submit takes a list of prompts (strings) or of conversations (lists of {role, "
+                              "content}), not a mix")
+    else:
+        raise ConfigError(f"submit takes a path, a pyarrow.Table or a non-empty list of prompts; got "
+                          f"{type(source).__name__}")
+    folder = Paths().data_dir / "inputs"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"input-{uuid.uuid4().hex[:12]}.parquet"
+    tmp = path.with_suffix(".tmp")
+    pq.write_table(table, tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def _engine_config(options: dict[str, Any]) -> EngineConfig:
+    options = dict(options)
+    if isinstance(options.get("kv_cache_memory"), str):
+        options["kv_cache_memory"] = parse_size(options["kv_cache_memory"])
+    return EngineConfig(**options)
+
+
+class Generate:
+    """bulkgen's engine over tables in memory, no database: `bulkgen.generate` calls it, and it is the Ray Data
+    stage (`dataset.map_batches(Generate, fn_constructor_kwargs={...}, batch_format="pyarrow", concurrency=N,
+    num_gpus=1)`, or `bulkgen.ray.generate(dataset, ...)`). Each table comes back with export's output columns
+    added (output, finish_reason, num_prompt_tokens, num_output_tokens,
+    error): prompts rendered and checked as `submit` does, run together through one continuous-batching
+    engine (one per Ray actor). A bad row gets its error and the batch goes on.
+
+    Options are submit's and run's: model, prompt_column / messages_column, chat, system_prompt,
+    max_new_tokens_column, sampling (a dict of SamplingParams fields: max_new_tokens, temperature, top_p,
+    ..., seed), engine (a dict of EngineConfig fields: dtype, kv_cache_memory, max_num_seqs, ...). A sampled
+    row's seed derives from the job seed and the row's prompt, so it does not depend on Ray's batching."""
+
+    def __init__(self, model: str | None = None, prompt_column: str | None = None,
+                 messages_column: str | None = None, chat: bool = False, system_prompt: str | None = None,
+                 max_new_tokens_column: str | None = None, sampling: dict[str, Any] | None = None,
+                 engine: dict[str, Any] | None = None, packing: str = "lpt") -> None:
+        from pathlib import Path
+
+        from bulkgen.config import SamplingParams
+        from bulkgen.engine.engine import Engine
+        from bulkgen.jobspec import JobSpec
+        from bulkgen.packing import admission_for
+        from bulkgen.resolve import DEFAULT_MODEL, resolve_model
+        from bulkgen.submission import PromptRenderer
+
+        sampling_params = SamplingParams.from_dict({"seed": 0, **(sampling or {})})
+        self.spec = JobSpec(input=Path("<ray dataset>"), model=model or DEFAULT_MODEL, prompt_column=prompt_column,
+                            messages_column=messages_column, chat=chat, system_prompt=system_prompt,
+                            max_new_tokens_column=max_new_tokens_column, sampling=sampling_params)
+        resolved = resolve_model(self.spec.model)
+        self.renderer = PromptRenderer(self.spec, resolved.path)
+        self.engine = Engine(resolved.path, _engine_config(engine or {}), tokenizer=self.renderer.tokenizer,
+                             admission=admission_for(packing, True))
+
+    def __call__(self, batch: Any) -> Any:
+        import hashlib
+
+        import pyarrow as pa
+
+        from bulkgen.store.models import unpack_ids
+
+        table = batch if isinstance(batch, pa.Table) else pa.table(batch)
+        rows = self.renderer.requests(0, table.combine_chunks().to_batches()[0] if table.num_rows else
+                                      pa.RecordBatch.from_pylist([], schema=table.schema), first_row=0)
+        out: dict[str, list[Any]] = {name: [None] * table.num_rows for name in OUTPUT_COLUMNS}
+        params = self.spec.sampling
+        for row in rows:
+            i = row["row"]
+            out["num_prompt_tokens"][i] = row["num_prompt_tokens"]
+            if row["error"] is not None:
+                out["error"][i] = row["error"]
+                continue
+            ids = unpack_ids(row["prompt_token_ids"])
+            seed = int.from_bytes(hashlib.blake2b(f"{params.seed}:{ids}".encode(), digest_size=8).digest(),
+                                  "little") >> 1
+            self.engine.add(i, ids, params.replace(max_new_tokens=row["max_new_tokens"], seed=seed))
+        while self.engine.has_unfinished():
+            for result in self.engine.step():
+                i = result.request_id
+                if result.finish_reason == "error":  # as export: the error, no output
+                    out["error"][i] = result.error or "generation failed"
+                else:
+                    out["output"][i] = result.text
+                    out["num_output_tokens"][i] = len(result.output_token_ids)
+                out["finish_reason"][i] = result.finish_reason
+        types = {"output": pa.string(), "finish_reason": pa.string(), "num_prompt_tokens": pa.int64(),
+                 "num_output_tokens": pa.int64(), "error": pa.string()}
+        for name in OUTPUT_COLUMNS:
+            column = pa.array(out[name], type=types[name])
+            table = table.set_column(table.schema.get_field_index(name), name, column) \
+                if name in table.column_names else table.append_column(name, column)
+        return table
