@@ -121,6 +121,9 @@ def emit_json(data: Any) -> None:
 @click.option("--seed", type=int, help="Job seed; each request derives its own from it. Default 0.")
 @click.option("--ignore-eos/--no-ignore-eos", default=None, help="Generate exactly max-new-tokens (benchmarks).")
 @click.option("--logprobs", type=int, help="Keep the chosen token's log-probability and this many alternatives.")
+@click.option("--json-schema", metavar="FILE_OR_JSON",
+              help="Every output is JSON valid against this schema (a file, or the schema's JSON text).")
+@click.option("--json-schema-column", help="String column with each row's own JSON schema.")
 @click.option("--add-special-tokens/--no-add-special-tokens", default=None,
               help="Tokenizer special tokens (BOS). Default: on for raw text, off for chat-rendered text.")
 @click.option("--input-format", type=click.Choice(("auto", "parquet", "jsonl", "csv", "openai")),

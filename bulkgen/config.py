@@ -41,6 +41,7 @@ class SamplingParams:
     ignore_eos: bool = False  # benchmarks: generate exactly max_new_tokens
     seed: int | None = None
     logprobs: int | None = None  # None: none kept; 0: the chosen token's; k: also the top k
+    json_schema: str | None = None  # the output is JSON valid against this schema (its JSON text)
 
     def __post_init__(self) -> None:
         _check(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
@@ -67,6 +68,8 @@ class SamplingParams:
                f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
                f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+        _check(self.json_schema is None or isinstance(self.json_schema, str),
+               f"json-schema must be a JSON schema's text, got {self.json_schema!r}")
 
     @property
     def is_greedy(self) -> bool:

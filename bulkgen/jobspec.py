@@ -30,6 +30,7 @@ FILE_KEY_TYPES = {
     "top_k": _WHOLE, "min_p": _NUMBER, "repetition_penalty": _NUMBER,
     "frequency_penalty": _NUMBER, "presence_penalty": _NUMBER, "stop": _TEXTS, "stop_token_ids": _WHOLES,
     "ignore_eos": _FLAG, "seed": _WHOLE, "logprobs": _WHOLE, "input_format": _TEXT,
+    "json_schema_column": _TEXT,
 }
 
 
@@ -62,6 +63,7 @@ class JobSpec:
     n: int = 1  # samples per row
     add_special_tokens: bool | None = None  # None: yes for raw text, no for chat-rendered text
     input_format: str = "auto"  # parquet, jsonl, csv, openai; auto: from the file's name and first bytes
+    json_schema_column: str | None = None  # per-row JSON schemas
     sampling: SamplingParams = field(default_factory=lambda: SamplingParams(seed=DEFAULT_SEED))
 
     def __post_init__(self) -> None:
@@ -89,7 +91,7 @@ class JobSpec:
     @property
     def columns(self) -> InputColumns:
         return InputColumns(prompt=self.prompt_column, messages=self.messages_column, id=self.id_column,
-                            max_new_tokens=self.max_new_tokens_column)
+                            max_new_tokens=self.max_new_tokens_column, json_schema=self.json_schema_column)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -118,6 +120,8 @@ def build_spec(input_path: Path, options: dict[str, Any]) -> JobSpec:
     if "input" not in values:
         raise ConfigError(f"job file {input_path} does not name its input: add input = \"data.parquet\"")
     sampling = {k: values.pop(k) for k in list(values) if k in SAMPLING_KEYS}
+    if sampling.get("json_schema") is not None:
+        sampling["json_schema"] = load_schema(sampling["json_schema"])
     _openai_defaults(values, sampling)
     known = {f.name for f in fields(JobSpec)}
     unknown = sorted(set(values) - known)
@@ -127,6 +131,26 @@ def build_spec(input_path: Path, options: dict[str, Any]) -> JobSpec:
         return JobSpec(**values, sampling=SamplingParams.from_dict(sampling))
     except TypeError as exc:
         raise ConfigError(f"invalid job setting: {exc}") from exc
+
+
+def load_schema(value: Any) -> str:
+    """--json-schema: a file's path or the schema's JSON text (a job file may give a table) -> compact JSON."""
+    if isinstance(value, dict):
+        schema = value
+    else:
+        text = str(value).strip()
+        if not text.startswith("{"):
+            path = Path(text).expanduser()
+            if not path.is_file():
+                raise ConfigError(f"--json-schema {text!r} is neither a JSON object nor a file")
+            text = path.read_text()
+        try:
+            schema = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"--json-schema is not JSON: {exc}") from exc
+    if not isinstance(schema, dict):
+        raise ConfigError("--json-schema must be a JSON object (a JSON schema)")
+    return json.dumps(schema, separators=(",", ":"), sort_keys=True)
 
 
 def _openai_defaults(values: dict[str, Any], sampling: dict[str, Any]) -> None:

@@ -184,6 +184,26 @@ class PromptRenderer:
             raise ConfigError(f"stop token ids {bad} are outside the vocabulary (size {vocab})")
         self.add_special_tokens = (spec.add_special_tokens if spec.add_special_tokens is not None
                                    else not spec.uses_chat_template)
+        self._grammars = None
+        self._schema_errors: dict[str, str | None] = {}
+        if sampling.json_schema is not None:
+            error = self.schema_error(sampling.json_schema)
+            if error:
+                raise ConfigError(f"--json-schema: {error}")
+
+    def schema_error(self, schema: str) -> str | None:
+        """Why a JSON schema cannot constrain this model's output (the compiler's words), or None."""
+        if schema not in self._schema_errors:
+            from bulkgen.engine.grammar import Grammars
+
+            if self._grammars is None:
+                self._grammars = Grammars(self.tokenizer, len(self.tokenizer))
+            try:
+                self._grammars.check(schema)
+                self._schema_errors[schema] = None
+            except ConfigError as exc:
+                self._schema_errors[schema] = str(exc)
+        return self._schema_errors[schema]
 
     def requests(self, job_id: int, batch: pa.RecordBatch, first_row: int) -> list[dict[str, Any]]:
         spec = self.spec
@@ -203,6 +223,7 @@ class PromptRenderer:
             token_ids[i] = ids
         ids_column = columns.get(spec.id_column) if spec.id_column else None
         budgets = columns.get(spec.max_new_tokens_column) if spec.max_new_tokens_column else None
+        schemas = columns.get(spec.json_schema_column) if spec.json_schema_column else None
         now = utcnow()
         out = []
         for i in range(batch.num_rows):
@@ -210,6 +231,9 @@ class PromptRenderer:
             ids = token_ids[i]
             max_new = spec.sampling.max_new_tokens if budgets is None or budgets[i] is None else budgets[i]
             error = errors[i] or self._check(ids, max_new)
+            params = None
+            if schemas is not None and schemas[i] is not None and error is None:
+                params, error = self._row_schema(schemas[i])
             for sample in range(spec.n):
                 out.append({
                     "job_id": job_id, "row": row, "sample": sample,
@@ -220,9 +244,21 @@ class PromptRenderer:
                     "max_new_tokens": max(int(max_new), 1),
                     "seed": request_seed(spec.sampling.seed or 0, row, sample),
                     "state": RequestState.FAILED.value if error else RequestState.PENDING.value,
-                    "attempts": 0, "error": error, "updated_at": now,
+                    "attempts": 0, "error": error, "updated_at": now, "params": params,
                 })
         return out
+
+    def _row_schema(self, text: str) -> tuple[dict[str, Any] | None, str | None]:
+        from bulkgen.jobspec import load_schema
+
+        try:
+            schema = load_schema(text) if text.strip().startswith("{") else None
+        except ConfigError as exc:
+            return None, f"json schema: {exc}"
+        if schema is None:
+            return None, "json schema: not a JSON object"
+        error = self.schema_error(schema)
+        return ({"sampling": {"json_schema": schema}}, None) if error is None else (None, f"json schema: {error}")
 
     def openai_requests(self, job_id: int, lines: list[openai_batch.BatchLine], first_row: int) -> list[dict[str, Any]]:
         """Request rows of OpenAI batch lines: n a line, the line's settings kept in `params`."""
@@ -256,6 +292,8 @@ class PromptRenderer:
             max_new = own.pop("max_new_tokens", spec.sampling.max_new_tokens)
             line_seed = own.pop("seed", None)
             error = errors[i] or self._check(ids, max_new)
+            if error is None and own.get("json_schema") is not None:
+                error = self.schema_error(own["json_schema"])
             row = first_row + i
             for sample in range(n):
                 out.append({

@@ -84,6 +84,7 @@ class Engine:
         self.eos_token_ids = _eos_ids(self.runner.model, self.tokenizer)
         self.stats = EngineStats()
         self._seqs: dict[Any, Sequence] = {}
+        self._grammars: Any = None
 
     @property
     def max_num_tokens(self) -> int:
@@ -118,6 +119,8 @@ class Engine:
             seq.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed or 0)
         if params.stop:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.stop)
+        if params.json_schema is not None:
+            seq.matcher = self.grammars.matcher(params.json_schema)
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
 
@@ -145,8 +148,24 @@ class Engine:
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             return []
+        # the masks of constrained sequences sampled in this step, computed while the forward pass runs
+        constrained = [s.seq for s in scheduled.scheduled if s.seq.matcher is not None
+                       and s.seq.num_computed_tokens + s.num_new_tokens == s.seq.num_tokens]
+        masks = self.grammars.start_masks([seq.matcher for seq in constrained]) if constrained else None
         logits, sampled_seqs = self.runner.execute(scheduled.scheduled)
+        if masks is not None:
+            row = {id(seq): i for i, seq in enumerate(sampled_seqs)}
+            self.grammars.apply(masks, logits, [row[id(seq)] for seq in constrained])
         return self._postprocess(scheduled, logits, sampled_seqs)
+
+    @property
+    def grammars(self) -> Any:
+        """llguidance over this engine's tokenizer, made when a first request asks for a JSON schema."""
+        if self._grammars is None:
+            from bulkgen.engine.grammar import Grammars
+
+            self._grammars = Grammars(self.tokenizer, self.runner.model.config.vocab_size)
+        return self._grammars
 
     def generate(self, prompts: Iterable[list[int] | str], params: SamplingParams | list[SamplingParams] | None = None,
                  ) -> Iterator[RequestOutput]:
@@ -197,6 +216,12 @@ class Engine:
         if seq.logprobs is not None:
             seq.logprobs.append(logprob)
         params = seq.params
+        if seq.matcher is not None:
+            if not seq.matcher.consume_token(token) and token not in self.eos_token_ids:
+                seq.error = f"the output left its JSON schema: {seq.matcher.get_error() or 'token refused'}"
+                return SequenceStatus.FINISHED_ERROR
+            if seq.matcher.is_stopped() and token not in self.eos_token_ids:
+                return SequenceStatus.FINISHED_STOPPED  # the JSON is complete
         if token in params.stop_token_ids:
             return SequenceStatus.FINISHED_STOPPED
         if token in self.eos_token_ids and not params.ignore_eos:

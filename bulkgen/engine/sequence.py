@@ -52,6 +52,7 @@ class Sequence:
     # Filled by the engine (the sampler's generator, the detokenizer) and by the sampler.
     generator: Any = None
     detokenizer: Any = None
+    matcher: Any = None  # llguidance's, where the output must match a JSON schema (grammar.py)
     logprobs: list[Any] | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None

@@ -107,10 +107,10 @@ def line_settings(line: BatchLine, job_sampling: SamplingParams, job_model: str)
         raise ValueError("stream is not supported in a batch")
     if body.get("tools") or body.get("functions"):
         raise ValueError("tools and functions are not supported")
-    response_format = body.get("response_format")
-    if response_format not in (None, {"type": "text"}):
-        raise ValueError(f"response_format {json.dumps(response_format)} is not supported yet: only text")
     own: dict[str, Any] = {}
+    schema = response_schema(body.get("response_format"))
+    if schema is not None:
+        own["json_schema"] = schema
     budget = body.get("max_completion_tokens", body.get("max_tokens"))
     if budget is not None:
         own["max_new_tokens"] = _whole(budget, "max_tokens", 1)
@@ -141,6 +141,24 @@ def line_settings(line: BatchLine, job_sampling: SamplingParams, job_model: str)
     except Exception as exc:  # the sampling checks' own words
         raise ValueError(str(exc)) from exc
     return own, n, line.url
+
+
+def response_schema(response_format: Any) -> str | None:
+    """The JSON schema (its text) a response_format asks for: json_schema's, any object for json_object, None
+    for text."""
+    if response_format is None or response_format == {"type": "text"}:
+        return None
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if kind == "json_object":
+        return '{"type": "object"}'
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise ValueError("response_format json_schema needs json_schema.schema, a JSON object")
+        return json.dumps(schema, separators=(",", ":"), sort_keys=True)
+    raise ValueError(f"response_format {json.dumps(response_format)} is not supported: text, json_object or "
+                     "json_schema")
 
 
 def _logprobs(body: dict[str, Any], url: str) -> int | None:

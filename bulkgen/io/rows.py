@@ -142,10 +142,11 @@ class InputColumns:
     messages: str | None = None
     id: str | None = None
     max_new_tokens: str | None = None  # per-row token budget, overriding --max-new-tokens
+    json_schema: str | None = None  # per-row JSON schema (its text), overriding --json-schema
 
     @property
     def needed(self) -> list[str]:
-        names = [self.prompt, self.messages, self.id, self.max_new_tokens]
+        names = [self.prompt, self.messages, self.id, self.max_new_tokens, self.json_schema]
         return list(dict.fromkeys(n for n in names if n is not None))
 
 
@@ -164,7 +165,8 @@ class InputFile:
         if self.format == "openai":
             raise InputError(f"{path} is an OpenAI batch file: submit reads it as one (its lines' bodies are the "
                              "requests), without column flags")
-        self._file = RowFile(self.path, self.format, text_columns=[c for c in (columns.prompt, columns.id) if c],
+        self._file = RowFile(self.path, self.format,
+                             text_columns=[c for c in (columns.prompt, columns.id, columns.json_schema) if c],
                              int_columns=[columns.max_new_tokens] if columns.max_new_tokens else [])
         self.schema = self._file.schema
         self.num_rows = self._file.num_rows  # None until read, for JSONL and CSV
@@ -188,7 +190,8 @@ class InputFile:
     def _check_schema(self) -> None:
         available = self.column_names
         for flag, name in (("--prompt-column", self.columns.prompt), ("--messages-column", self.columns.messages),
-                           ("--id-column", self.columns.id), ("--max-new-tokens-column", self.columns.max_new_tokens)):
+                           ("--id-column", self.columns.id), ("--max-new-tokens-column", self.columns.max_new_tokens),
+                           ("--json-schema-column", self.columns.json_schema)):
             if name is not None and name not in available:
                 raise InputError(f"{self.path.name} has no column {name!r} ({flag}); its columns are: "
                                  f"{', '.join(available)}")
@@ -207,6 +210,9 @@ class InputFile:
             if not pa.types.is_integer(kind):
                 raise InputError(f"column {self.columns.max_new_tokens!r} holds {kind}: --max-new-tokens-column "
                                  "needs an integer column")
+        if self.columns.json_schema is not None and not _is_text_type(self.schema.field(self.columns.json_schema).type):
+            raise InputError(f"column {self.columns.json_schema!r} holds {self.schema.field(self.columns.json_schema).type}"
+                             ": --json-schema-column needs a string column of JSON schemas")
         if self.columns.id is not None:
             kind = self.schema.field(self.columns.id).type
             if pa.types.is_nested(kind):

@@ -1,0 +1,92 @@
+"""JSON-schema constrained generation through llguidance (a grammar engine made for this: Rust core, MIT).
+
+Each constrained sequence carries a matcher compiled from its schema. A step computes the next-token masks
+of every constrained sequence it will sample, all at once, on llguidance's own threads while the forward
+pass runs; the masks are applied to those rows of the logits before sampling; each sampled token is then
+fed to its matcher, and a sequence whose grammar is complete stops. Unconstrained sequences pay nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from bulkgen.errors import ConfigError
+
+JSON_OBJECT = '{"type": "object"}'  # OpenAI's response_format json_object: any JSON object
+
+
+def require() -> Any:
+    try:
+        import llguidance
+        import llguidance.hf
+        import llguidance.torch
+    except ImportError as exc:
+        raise ConfigError("JSON-schema outputs need llguidance (pip install llguidance)") from exc
+    return llguidance
+
+
+def grammar_text(schema: str | dict[str, Any]) -> str:
+    """llguidance's grammar for a JSON schema (a dict or its JSON text); ConfigError if not JSON."""
+    llguidance = require()
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"the JSON schema is not JSON: {exc}") from exc
+    if not isinstance(schema, dict):
+        raise ConfigError("a JSON schema is a JSON object")
+    # compact JSON: free whitespace lets a weak model pad forever (and buys nothing in a dataset)
+    return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+
+
+class Grammars:
+    """Matchers for one tokenizer, and the step's masks."""
+
+    def __init__(self, hf_tokenizer: Any, vocab_size: int) -> None:
+        llguidance = require()
+        self._ll = llguidance
+        self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size)
+        self.executor = llguidance.LLExecutor()
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="bulkgen-masks")
+        self._compiled: dict[str, str] = {}
+
+    def check(self, schema: str) -> None:
+        """ConfigError with the compiler's words where the schema cannot be compiled."""
+        grammar = self._grammar(schema)
+        error = self._ll.LLMatcher.validate_grammar(grammar, self.tokenizer)
+        if error:
+            raise ConfigError(f"the JSON schema cannot be compiled: {error}")
+
+    def matcher(self, schema: str) -> Any:
+        matcher = self._ll.LLMatcher(self.tokenizer, self._grammar(schema))
+        if matcher.is_error():
+            raise ConfigError(f"the JSON schema cannot be compiled: {matcher.get_error()}")
+        return matcher
+
+    def _grammar(self, schema: str) -> str:
+        if schema not in self._compiled:
+            self._compiled[schema] = grammar_text(schema)
+        return self._compiled[schema]
+
+    def start_masks(self, matchers: list[Any]) -> Future:
+        """The next-token masks of these matchers ([len, words] int32), computed in the background."""
+        mask = self._ll.torch.allocate_token_bitmask(len(matchers), self.tokenizer.vocab_size)
+        return self.pool.submit(_fill, self._ll, self.executor, matchers, mask)
+
+    @torch.inference_mode()
+    def apply(self, masks: Future, logits: torch.Tensor, rows: list[int]) -> None:
+        """Mask the rows' disallowed tokens to -inf (logits [num_sampled, vocab], in place)."""
+        mask = masks.result()
+        index = torch.tensor(rows, device=logits.device)
+        sub = logits[index]
+        self._ll.torch.apply_token_bitmask_inplace(sub, mask.to(logits.device, non_blocking=True))
+        logits[index] = sub
+
+
+def _fill(llguidance: Any, executor: Any, matchers: list[Any], mask: torch.Tensor) -> torch.Tensor:
+    llguidance.torch.fill_next_token_bitmask_par(executor, [(m, i) for i, m in enumerate(matchers)], mask)
+    return mask
