@@ -36,15 +36,22 @@ def run_bulkgen(spec: dict[str, Any], workload: Workload) -> dict[str, Any]:
     items = order(list(range(len(workload.prompts))), spec.get("policy", "lpt"),
                   prompt_len=lambda i: len(workload.prompts[i]), max_new=lambda i: workload.max_new_tokens[i])
     _warm_up(engine)
+    schema = json.dumps(spec["json_schema"]) if spec.get("json_schema") else None
+    if schema is not None:
+        engine.grammars.check(schema)  # compiled once before the clock starts, as submit does
     start = time.perf_counter()
     for i in items:
-        engine.add(i, workload.prompts[i], SamplingParams(max_new_tokens=workload.max_new_tokens[i], ignore_eos=True))
+        engine.add(i, workload.prompts[i], SamplingParams(max_new_tokens=workload.max_new_tokens[i], ignore_eos=True,
+                                                          json_schema=schema))
     outputs: dict[int, list[int]] = {}
     finish: dict[int, float] = {}
+    complete: dict[int, str] = {}
     while engine.has_unfinished():
         for out in engine.step():
             outputs[out.request_id] = out.output_token_ids
             finish[out.request_id] = time.perf_counter() - start
+            if out.finish_reason == "stop":
+                complete[out.request_id] = out.text
     wall = time.perf_counter() - start
     steps = engine.stats.steps
     return {
@@ -61,7 +68,22 @@ def run_bulkgen(spec: dict[str, Any], workload: Workload) -> dict[str, Any]:
         "notes": engine.runner.paths.short() if engine.runner.device.type == "cpu" else "Triton attention",
         "cpu_paths": {name: path.use_c for name, path in engine.runner.paths.families.items()},
         "decode": _decode_roofline(spec, engine, steps),
+        **({"json_valid": [sum(_valid_json(text, spec["json_schema"]) for text in complete.values()), len(complete)]}
+           if schema is not None else {}),
     }
+
+
+def _valid_json(text: str, schema: dict[str, Any]) -> bool:
+    """Whether a complete output parses and has the bench schema's shape (bench.run.BENCH_SCHEMAS)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    if schema["type"] == "array":
+        return isinstance(value, list) and len(value) >= schema["minItems"] and all(
+            isinstance(v, str) and len(v) <= schema["items"]["maxLength"] for v in value)
+    return isinstance(value, dict) and set(value) == set(schema["required"]) and all(
+        isinstance(value[k], str) for k in schema["required"])
 
 
 def _decode_roofline(spec: dict[str, Any], engine: Any, steps: list[Any]) -> dict[str, Any] | None:

@@ -26,6 +26,16 @@ VLLM_BLOCK_TOKENS = 128  # vLLM's KV block on its CPU backend
 TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 
 
+# bulkgen@json: an array of short strings that cannot close before any budget, so that every output runs to
+# its budget as unconstrained ones do (the masks' cost, token for token); bulkgen@json-free: an object with one
+# free string, which the model closes when it will (how many complete outputs are valid)
+BENCH_SCHEMAS = {
+    "json": {"type": "array", "items": {"type": "string", "maxLength": 16}, "minItems": 100_000},
+    "json-free": {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"],
+                  "additionalProperties": False},
+}
+
+
 @dataclass(frozen=True)
 class EngineRun:
     name: str  # one of ENGINES
@@ -34,6 +44,7 @@ class EngineRun:
     label: str = ""  # as the user wrote it: bulkgen, vllm@bfloat16, bulkgen@fifo
     kv_admission: bool | None = None  # bulkgen's KV admission, when it differs from the run's
     kernels: str | None = None  # bulkgen's CPU kernel paths (c, torch), when they differ from the run's
+    json_schema: str | None = None  # bulkgen with every output constrained to BENCH_SCHEMAS[this]
 
 
 @dataclass
@@ -56,7 +67,9 @@ def parse_engines(compare: str, dtype: str) -> list[EngineRun]:
     an @ is a dtype (float32, bfloat16, float16) or, for bulkgen, a packing policy (lpt, sorted, fifo) or
     `no-kv-admission` (admit whatever has blocks now and preempt when they run out, as vLLM does):
     `bulkgen@fifo@no-kv-admission`, or its CPU kernel paths, `c` or `torch` (every family forced, as
-    --kernels does): `bulkgen@torch` is the plain-torch floor the C kernels must beat."""
+    --kernels does): `bulkgen@torch` is the plain-torch floor the C kernels must beat; `bulkgen@json` and
+    `bulkgen@json-free` constrain every output to a JSON schema (BENCH_SCHEMAS) and report the share of
+    complete outputs that are valid."""
     from bulkgen.packing import POLICIES
 
     runs = []
@@ -64,7 +77,7 @@ def parse_engines(compare: str, dtype: str) -> list[EngineRun]:
         name, *suffixes = item.split("@")
         if name not in ENGINES:
             raise ConfigError(f"unknown engine {name!r} in --compare; known: {', '.join(ENGINES)}")
-        run_dtype, policy, kv_admission, kernels = dtype, None, None, None
+        run_dtype, policy, kv_admission, kernels, json_schema = dtype, None, None, None, None
         for suffix in suffixes:
             if suffix in DTYPES:
                 run_dtype = suffix
@@ -74,11 +87,13 @@ def parse_engines(compare: str, dtype: str) -> list[EngineRun]:
                 kv_admission = False
             elif suffix in ("c", "torch") and name.startswith("bulkgen"):
                 kernels = suffix
+            elif suffix in BENCH_SCHEMAS and name == "bulkgen":
+                json_schema = suffix
             else:
                 raise ConfigError(f"cannot read {item!r} in --compare: after @ give a dtype, or for bulkgen a "
                                   f"packing policy ({', '.join(POLICIES)}), no-kv-admission, or c / torch (its "
                                   "CPU kernel paths)")
-        runs.append(EngineRun(name, run_dtype, policy, item, kv_admission, kernels))
+        runs.append(EngineRun(name, run_dtype, policy, item, kv_admission, kernels, json_schema))
     if not any(r.label == "bulkgen" for r in runs):
         runs.insert(0, EngineRun("bulkgen", dtype, None, "bulkgen"))
     return runs
@@ -101,7 +116,8 @@ def run_bench(workload: Workload, options: BenchOptions, log: Callable[[str], No
                     "policy": run.policy or options.policy,
                     "kv_admission": options.kv_admission if run.kv_admission is None else run.kv_admission,
                     "hf_batch_sizes": options.hf_batch_sizes,
-                    "num_threads": options.num_threads, "vllm_num_blocks": options.vllm_num_blocks}
+                    "num_threads": options.num_threads, "vllm_num_blocks": options.vllm_num_blocks,
+                    **({"json_schema": BENCH_SCHEMAS[run.json_schema]} if run.json_schema else {})}
             spec_path, out_path = Path(tmp) / f"{label}.spec.json", Path(tmp) / f"{label}.out.json"
             spec_path.write_text(json.dumps(spec))
             log(f"bench: running {label} on {len(workload.prompts)} requests ...")
@@ -213,10 +229,17 @@ def _metrics(label: str, dtype: str, raw: dict[str, Any], workload: Workload) ->
         "padding_fraction": raw.get("padding_fraction"),
         "kv_cache_tokens": raw.get("kv_cache_tokens"),
         "all_budgets_met": [len(t) for t in raw["output_token_ids"]] == workload.max_new_tokens,
-        "notes": raw.get("notes") or raw.get("attention"),
+        "notes": _json_note(raw) or raw.get("notes") or raw.get("attention"),
         "steps": raw.get("steps"),
         "_tokens": raw["output_token_ids"],
     }
+
+
+def _json_note(raw: dict[str, Any]) -> str | None:
+    if "json_valid" not in raw:
+        return None
+    valid, complete = raw["json_valid"]
+    return f"JSON schema: {valid}/{complete} complete outputs valid"
 
 
 def _compare(results: list[dict[str, Any]], reference_label: str | None = None) -> None:
