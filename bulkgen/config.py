@@ -6,6 +6,7 @@ store, the packer and the scheduler can all use it.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -139,6 +140,17 @@ class EngineConfig:
         _check(self.num_threads is None or (isinstance(self.num_threads, int) and self.num_threads >= 1),
                f"num-threads must be >= 1, got {self.num_threads!r}")
         parse_kernels(self.kernels)
+
+
+def parse_json_schema(text: str, what: str = "the JSON schema") -> dict[str, Any]:
+    """A JSON schema's text -> the schema (a JSON object); ConfigError naming `what` otherwise."""
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{what} is not JSON: {exc}") from exc
+    if not isinstance(schema, dict):
+        raise ConfigError(f"{what} must be a JSON object (a JSON schema)")
+    return schema
 
 
 def parse_kernels(spec: str) -> dict[str, str]:

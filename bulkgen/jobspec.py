@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from bulkgen.config import SamplingParams
+from bulkgen.config import SamplingParams, parse_json_schema
 from bulkgen.errors import ConfigError
 from bulkgen.io.rows import INPUT_FORMATS, InputColumns
 from bulkgen.resolve import DEFAULT_MODEL
@@ -144,12 +144,7 @@ def load_schema(value: Any) -> str:
             if not path.is_file():
                 raise ConfigError(f"--json-schema {text!r} is neither a JSON object nor a file")
             text = path.read_text()
-        try:
-            schema = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"--json-schema is not JSON: {exc}") from exc
-    if not isinstance(schema, dict):
-        raise ConfigError("--json-schema must be a JSON object (a JSON schema)")
+        schema = parse_json_schema(text, "--json-schema")
     return json.dumps(schema, separators=(",", ":"), sort_keys=True)
 
 

@@ -11,6 +11,9 @@ import pytest
 import bulkgen
 from tests.helpers import invoke, invoke_json, write_parquet
 
+# what is tested here is generation, not the store (whose tests run on both databases): SQLite alone
+pytestmark = pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
+
 PROMPTS = ["Hello there", "river stone river", "", "What is 2+2?"]
 
 

@@ -160,6 +160,16 @@ def test_bfloat16_kernels_agree_with_torch(tiny_llama64_dir: Path, monkeypatch: 
     assert first >= 0.9 and before_parting >= 0.3  # 65 % here; a broken decode path gives ~3 %
 
 
+def _first_16(engine: Engine, picked: list[int]) -> dict[int, list[int]]:
+    """Up to 16 greedy tokens of each picked WORKLOAD prompt, run together."""
+    for i in picked:
+        engine.add(i, WORKLOAD[i][0], SamplingParams(max_new_tokens=min(WORKLOAD[i][1], 16)))
+    outputs = {}
+    while engine.has_unfinished():
+        outputs.update((o.request_id, o.output_token_ids) for o in engine.step())
+    return {i: outputs[i] for i in picked}
+
+
 def test_triton_path_equals_hf_generate(models) -> None:
     """The GPU path (Triton attention, KV write and small ops; K laid out as V), here in Triton's CPU
     interpreter: greedy tokens equal Hugging Face's, with chunked prefill, cached prefixes and
@@ -171,12 +181,7 @@ def test_triton_path_equals_hf_generate(models) -> None:
                           attention_backend="triton", max_num_seqs=8, block_size=16)
     engine = Engine(model_dir, config)
     assert engine.runner.use_triton and engine.runner._k_caches[0].shape[1:] == engine.runner._v_caches[0].shape[1:]
-    for i in picked:
-        engine.add(i, WORKLOAD[i][0], SamplingParams(max_new_tokens=min(WORKLOAD[i][1], 16)))
-    outputs = {}
-    while engine.has_unfinished():
-        outputs.update((o.request_id, o.output_token_ids) for o in engine.step())
-    assert {i: outputs[i] for i in picked} == {i: expected[i][:min(WORKLOAD[i][1], 16)] for i in picked}
+    assert _first_16(engine, picked) == {i: expected[i][:min(WORKLOAD[i][1], 16)] for i in picked}
     assert engine.stats.num_preemptions > 0
 
 
@@ -192,12 +197,7 @@ def test_decode_graphs_pad_to_their_bucket_and_equal_hf_generate(models) -> None
     engine = Engine(model_dir, config)
     graphs = engine.runner.decode_graphs
     assert graphs is not None and graphs.sizes == [1, 2, 4, 5] and graphs.scratch_block == engine.runner.num_blocks
-    for i in picked:
-        engine.add(i, WORKLOAD[i][0], SamplingParams(max_new_tokens=min(WORKLOAD[i][1], 16)))
-    outputs = {}
-    while engine.has_unfinished():
-        outputs.update((o.request_id, o.output_token_ids) for o in engine.step())
-    assert {i: outputs[i] for i in picked} == {i: expected[i][:min(WORKLOAD[i][1], 16)] for i in picked}
+    assert _first_16(engine, picked) == {i: expected[i][:min(WORKLOAD[i][1], 16)] for i in picked}
     assert len(graphs.graphs) >= 2, "decode steps of several sizes went through their buckets"
     with pytest.raises(ConfigError, match="needs a GPU"):
         Engine(model_dir, EngineConfig(kv_cache_memory=2**20, cuda_graphs=True, attention_backend="torch"))

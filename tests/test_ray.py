@@ -18,7 +18,14 @@ from sqlalchemy import func, select
 from bulkgen.store import open_store
 from bulkgen.store.models import Request, Result, Worker
 from tests.helpers import invoke, invoke_json
-from tests.test_worker_process import NUM_ROWS, RUN_FLAGS, export_rows, make_job, num_results
+from tests.test_worker_process import (
+    NUM_ROWS,
+    RUN_FLAGS,
+    export_rows,
+    make_job,
+    num_results,
+    uninterrupted_run,
+)
 
 ray = pytest.importorskip("ray")
 
@@ -74,13 +81,7 @@ def test_two_actors_share_one_job_and_no_request_runs_twice(tmp_path: Path, tiny
 @postgres_only
 def test_an_actor_killed_mid_job_is_restarted_and_the_export_equals_one_worker(tmp_path: Path, tiny_model_dir: Path,
                                                                                make_db, ray_address: str) -> None:
-    reference_db = make_db("reference")
-    (tmp_path / "ref").mkdir()
-    ref_job = make_job(tmp_path / "ref", tiny_model_dir, reference_db)
-    done = subprocess.run([sys.executable, "-m", "bulkgen", "run", "--db", reference_db, *RUN_FLAGS],
-                          capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    reference = export_rows(reference_db, ref_job, tmp_path / "reference.parquet")
+    reference = uninterrupted_run(tmp_path, tiny_model_dir, make_db("reference"))
 
     db = make_db("killed")
     job_id = make_job(tmp_path, tiny_model_dir, db, max_new=24)

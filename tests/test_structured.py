@@ -9,9 +9,13 @@ from pathlib import Path
 
 import jsonschema
 import pyarrow.parquet as pq
+import pytest
 
 from bulkgen.store.models import Job
 from tests.helpers import count_rows, invoke, invoke_json, write_parquet
+
+# what is tested here is generation, not the store (whose tests run on both databases): SQLite alone
+pytestmark = pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
                                            "ok": {"type": "boolean"}, "kind": {"enum": ["a", "b", "c"]}},

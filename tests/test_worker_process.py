@@ -57,15 +57,19 @@ def export_rows(db: str, job_id: int, path: Path) -> list[dict]:
     return pq.read_table(path).to_pylist()
 
 
+def uninterrupted_run(tmp_path: Path, model: Path, db: str) -> list[dict]:
+    """The export of make_job's job run by one worker from start to end: what an interrupted run must equal."""
+    (tmp_path / "ref").mkdir()
+    job_id = make_job(tmp_path / "ref", model, db)
+    done = subprocess.run([sys.executable, "-m", "bulkgen", "run", "--db", db, *RUN_FLAGS], capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stderr
+    return export_rows(db, job_id, tmp_path / "reference.parquet")
+
+
 def test_sigkill_at_random_moments_then_resume_equals_an_uninterrupted_run(tmp_path: Path, tiny_model_dir: Path,
                                                                           make_db) -> None:
-    reference_db = make_db("reference")
-    (tmp_path / "ref").mkdir()
-    ref_job = make_job(tmp_path / "ref", tiny_model_dir, reference_db)
-    done = subprocess.run([sys.executable, "-m", "bulkgen", "run", "--db", reference_db, *RUN_FLAGS],
-                          capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    reference = export_rows(reference_db, ref_job, tmp_path / "reference.parquet")
+    reference = uninterrupted_run(tmp_path, tiny_model_dir, make_db("reference"))
 
     db = make_db("crash")
     job_id = make_job(tmp_path, tiny_model_dir, db)

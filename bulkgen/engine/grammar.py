@@ -8,13 +8,13 @@ fed to its matcher, and a sequence whose grammar is complete stops. Unconstraine
 
 from __future__ import annotations
 
-import json
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import torch
 
+from bulkgen.config import parse_json_schema
 from bulkgen.errors import ConfigError
 
 JSON_OBJECT = '{"type": "object"}'  # OpenAI's response_format json_object: any JSON object
@@ -31,18 +31,12 @@ def require() -> Any:
     return llguidance
 
 
-def grammar_text(schema: str | dict[str, Any]) -> str:
-    """llguidance's grammar for a JSON schema (a dict or its JSON text); ConfigError if not JSON."""
+def grammar_text(schema: str) -> str:
+    """llguidance's grammar for a JSON schema's text; ConfigError if it is not a JSON object."""
     llguidance = require()
-    if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"the JSON schema is not JSON: {exc}") from exc
-    if not isinstance(schema, dict):
-        raise ConfigError("a JSON schema is a JSON object")
     # compact JSON: free whitespace lets a weak model pad forever (and buys nothing in a dataset)
-    return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+    return llguidance.LLMatcher.grammar_from_json_schema(parse_json_schema(schema),
+                                                         defaults={"whitespace_flexible": False})
 
 
 class Grammars:
