@@ -122,3 +122,16 @@ def test_whole_file_errors_refuse_it_with_nothing_written(tmp_path: Path, db_url
     result = invoke("submit", path, *flags, expect=2)
     assert words in result.output and "Traceback" not in result.output
     assert count_rows(db_url, Job) == 0
+
+
+def test_a_table_job_exports_in_openais_format_too(tmp_path: Path, db_url: str, tiny_model_dir: Path) -> None:
+    from openai.types.chat import ChatCompletion
+
+    data = write_parquet(tmp_path / "in.parquet", {"prompt": ["alpha beta", ""], "id": ["a", "b"]})
+    job = invoke_json("submit", data, "--model", tiny_model_dir, "--max-new-tokens", 4, "--id-column", "id")
+    invoke("run", job["job_id"], "--kv-cache-memory", "16MiB", "--no-progress")
+    invoke("export", job["job_id"], "--format", "openai", "-o", tmp_path / "out.jsonl")
+    first, second = _read(tmp_path / "out.jsonl")
+    assert first["custom_id"] == "a" and ChatCompletion.model_validate(first["response"]["body"]).model == \
+        str(tiny_model_dir)
+    assert second["custom_id"] == "b" and second["error"]["message"] == "prompt is empty"

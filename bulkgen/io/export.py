@@ -128,8 +128,9 @@ def export_openai(store: Store, job_id: int, out: Path, errors: Path | None = No
                     continue
                 finished = [s.finished_at for s in samples if s.finished_at is not None]
                 created = int(max(finished).replace(tzinfo=UTC).timestamp()) if finished else 0
-                line = output_line(samples[0].custom_id or str(row), job.id, row, samples[0].params or {}, samples,
-                                   created, decode)
+                # rows of a table (no line of their own): chat completions of the job's model
+                params = samples[0].params or {"openai": {"model": job.model}}
+                line = output_line(samples[0].custom_id or str(row), job.id, row, params, samples, created, decode)
                 ok = line["error"] is None
                 (main if ok else failed_to).write(json.dumps(line, ensure_ascii=False) + "\n")
                 counts["rows"] += 1
