@@ -235,10 +235,10 @@ class Generate:
                     out["output"][i] = result.text
                     out["num_output_tokens"][i] = len(result.output_token_ids)
                 out["finish_reason"][i] = result.finish_reason
-        types = {"output": pa.string(), "finish_reason": pa.string(), "num_prompt_tokens": pa.int64(),
-                 "num_output_tokens": pa.int64(), "error": pa.string()}
-        for name in OUTPUT_COLUMNS:
-            column = pa.array(out[name], type=types[name])
+        from bulkgen.io.export import RESULT_SCHEMA
+
+        for name in OUTPUT_COLUMNS:  # typed as export types them
+            column = pa.array(out[name], type=RESULT_SCHEMA.field(name).type)
             table = table.set_column(table.schema.get_field_index(name), name, column) \
                 if name in table.column_names else table.append_column(name, column)
         return table

@@ -55,6 +55,7 @@ class FixedEngine:
     def has_unfinished(self) -> bool:
         return bool(self._queued)
 
+    @property
     def num_unfinished(self) -> int:
         return len(self._queued)
 

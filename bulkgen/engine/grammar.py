@@ -17,7 +17,6 @@ import torch
 from bulkgen.config import parse_json_schema
 from bulkgen.errors import ConfigError
 
-JSON_OBJECT = '{"type": "object"}'  # OpenAI's response_format json_object: any JSON object
 _SHIFTS = torch.arange(32, dtype=torch.int32)
 
 

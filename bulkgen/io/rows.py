@@ -9,6 +9,7 @@ file whose first line is an OpenAI batch request (custom_id, method, url, body) 
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -105,13 +106,15 @@ class RowFile:
                 if known is not None else pa_json.ParseOptions()
             return pa_json.open_json(self.path, read_options=pa_json.ReadOptions(block_size=BLOCK_BYTES),
                                      parse_options=options)
-        header = self._csv_header()
+        header = self._csv_header
         types = {name: pa.string() for name in self._text if name in header}
         types.update({name: pa.int64() for name in self._ints if name in header})
         return pa_csv.open_csv(self.path, read_options=pa_csv.ReadOptions(block_size=BLOCK_BYTES),
                                convert_options=pa_csv.ConvertOptions(column_types=types, strings_can_be_null=True))
 
+    @functools.cached_property
     def _csv_header(self) -> list[str]:
+        """The CSV's column names (read once: every open forces types by name)."""
         reader = pa_csv.open_csv(self.path, read_options=pa_csv.ReadOptions(block_size=1 << 16))
         return reader.schema.names
 
