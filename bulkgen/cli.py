@@ -303,8 +303,8 @@ def build_engine_config(options: dict[str, Any]):
 @click.option("--kv-admission/--no-kv-admission", default=True, show_default=True,
               help="Admit a request only if the KV cache can hold it to its end (avoids preemption).")
 @click.option("--wait", is_flag=True, help="Keep waiting for new jobs instead of exiting when the queue is empty.")
-@click.option("--log-every", type=float, default=30.0, show_default=True,
-              help="Seconds between progress lines when not on a terminal.")
+@click.option("--log-every", type=click.FloatRange(min=0), default=30.0, show_default=True,
+              help="Seconds between progress lines when not on a terminal (0: a line every engine step).")
 @click.option("--progress/--no-progress", default=True, help="Show progress on stderr.")
 @click.option("-v", "--verbose", is_flag=True,
               help="Say more on stderr: the CPU, and which path (C or torch) each kernel family took and why.")

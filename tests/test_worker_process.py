@@ -9,16 +9,18 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pyarrow.parquet as pq
 from sqlalchemy import func, select
 
 from bulkgen.store import open_store
-from bulkgen.store.models import Request, Result
+from bulkgen.store.models import Request, Result, Worker
 from tests.helpers import invoke, invoke_json, write_parquet
 
 NUM_ROWS = 300
+POLL_S = 0.01  # how often a test looks at the database: short, so that what it acts on has just happened
 RUN_FLAGS = ["--kv-cache-memory", "16MiB", "--max-num-seqs", "32", "--commit-every", "8",
              "--commit-interval", "0.2", "--lease-seconds", "5", "--no-progress"]
 
@@ -43,13 +45,66 @@ def num_results(db: str) -> int:
 
 
 def wait_for_results(db: str, more_than: int, proc: subprocess.Popen, timeout: float = 120) -> int:
+    """Wait until more than `more_than` results are committed (or the worker ends); the count then."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         count = num_results(db)
         if count > more_than or proc.poll() is not None:
             return count
-        time.sleep(0.05)
+        time.sleep(POLL_S)
     raise AssertionError("the worker made no progress")
+
+
+def still_running(proc: subprocess.Popen, what: str) -> None:
+    """Fail loudly, not flakily, where the job ended before the test could act on it."""
+    if proc.poll() is not None:
+        raise AssertionError(f"the worker finished before it could be {what}: make the test's job longer "
+                             f"(more rows or a smaller --max-num-seqs), not its sleeps")
+
+
+def kill_before(db: str, proc: subprocess.Popen, ceiling: int, rng: random.Random) -> int:
+    """SIGKILL the worker at a random moment after its first commit, and at the latest when `ceiling`
+    results are committed: the kill is bounded by an event, not a time, so on a machine of any speed it
+    lands with work left (on a slow one, anywhere inside a step or a commit). Returns the count after."""
+    committed = wait_for_results(db, num_results(db), proc)
+    still_running(proc, "interrupted")
+    deadline = time.monotonic() + rng.uniform(0.0, 0.4)
+    while time.monotonic() < deadline and committed < ceiling:
+        time.sleep(POLL_S)
+        committed = num_results(db)
+    still_running(proc, "interrupted")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    return num_results(db)
+
+
+def workers_with_results(db: str) -> dict[str, int]:
+    """worker id -> pid of the workers that have committed results."""
+    with open_store(db).session_scope() as session:
+        return dict(session.execute(select(Worker.id, Worker.pid).join(Result, Result.worker_id == Worker.id)
+                                    .distinct()).all())
+
+
+def make_two_work(db: str, alive: Callable[[], bool], timeout: float = 180) -> None:
+    """Two workers started together: wait for one to commit, then hold it (SIGSTOP) until the other has
+    committed too. Which starts first, and whether the job outlasts the other's start, depends on the
+    machine; that both take part is then by construction, whatever its speed (their leases must outlast
+    the pause)."""
+    deadline = time.monotonic() + timeout
+    while not workers_with_results(db):
+        assert alive() and time.monotonic() < deadline, "no worker committed anything"
+        time.sleep(POLL_S)
+    first = workers_with_results(db)
+    if len(first) > 1:
+        return
+    (pid,) = first.values()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        while len(workers_with_results(db)) < 2:
+            assert alive() and time.monotonic() < deadline, "the second worker committed nothing"
+            time.sleep(POLL_S)
+    finally:
+        os.kill(pid, signal.SIGCONT)
 
 
 def export_rows(db: str, job_id: int, path: Path) -> list[dict]:
@@ -74,25 +129,18 @@ def test_sigkill_at_random_moments_then_resume_equals_an_uninterrupted_run(tmp_p
     db = make_db("crash")
     job_id = make_job(tmp_path, tiny_model_dir, db)
     rng = random.Random(42)
-    kills = 0
     committed = 0
     # Kills land while requests are in flight, and a slow machine may catch the same ones every time:
     # allow more attempts than kills, so that this tests resuming, not the repeat-offender limit (tested
-    # in test_worker.py).
-    attempts = ["--max-attempts", "10"]
-    while kills < 4:
-        proc = start_worker(db, *attempts)
-        committed = wait_for_results(db, committed, proc)
-        if proc.poll() is not None:
-            break  # finished before we could kill it
-        time.sleep(rng.uniform(0.0, 0.4))
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        kills += 1
-        committed = num_results(db)
-    assert kills >= 3, "the job finished too fast to be interrupted"
-    assert 0 < committed < NUM_ROWS
-    final = subprocess.run([sys.executable, "-m", "bulkgen", "run", "--db", db, *RUN_FLAGS, *attempts],
+    # in test_worker.py). At most 8 sequences at a time: a commit then adds few rows, so a kill bounded by
+    # a count of rows lands close to it.
+    flags = ["--max-attempts", "10", "--max-num-seqs", "8"]
+    for kill in range(4):
+        ceiling = min(committed + rng.randint(8, 40), NUM_ROWS - 60)
+        committed = kill_before(db, start_worker(db, *flags), ceiling, rng)
+        assert committed < NUM_ROWS - 30, f"kill {kill + 1} came too late ({committed} of {NUM_ROWS} committed)"
+    assert committed > 0
+    final = subprocess.run([sys.executable, "-m", "bulkgen", "run", "--db", db, *RUN_FLAGS, *flags],
                            capture_output=True, text=True)
     assert final.returncode == 0, final.stderr
     rows = export_rows(db, job_id, tmp_path / "resumed.parquet")
@@ -110,6 +158,7 @@ def test_sigterm_drains_commits_and_releases(tmp_path: Path, tiny_model_dir: Pat
     job_id = make_job(tmp_path, tiny_model_dir, db, max_new=64)
     proc = start_worker(db)
     wait_for_results(db, 5, proc)
+    still_running(proc, "stopped")
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 0, stderr
@@ -129,7 +178,9 @@ def test_sigterm_drains_commits_and_releases(tmp_path: Path, tiny_model_dir: Pat
 def test_two_workers_share_the_queue_without_doing_anything_twice(tmp_path: Path, tiny_model_dir: Path, make_db) -> None:
     db = make_db("two")
     job_id = make_job(tmp_path, tiny_model_dir, db)
-    workers = [start_worker(db, "--max-num-seqs", "8", "--json") for _ in range(2)]
+    # leases long enough to outlast make_two_work's pause: a paused worker's requests stay its own
+    workers = [start_worker(db, "--max-num-seqs", "8", "--lease-seconds", "120", "--json") for _ in range(2)]
+    make_two_work(db, lambda: all(w.poll() is None for w in workers))
     outputs = [w.communicate(timeout=300) for w in workers]
     assert all(w.returncode == 0 for w in workers), [o[1] for o in outputs]
     import json
@@ -147,16 +198,18 @@ def test_two_workers_share_the_queue_without_doing_anything_twice(tmp_path: Path
 
 def test_cancel_during_a_run_stops_the_worker_taking_its_requests(tmp_path: Path, tiny_model_dir: Path, make_db) -> None:
     db = make_db("cancel")
-    job_id = make_job(tmp_path, tiny_model_dir, db, max_new=64)
+    num_rows = 1200  # the run stops at the cancel: rows past it cost only their submit, and keep work left
+    job_id = make_job(tmp_path, tiny_model_dir, db, num_rows=num_rows, max_new=64)
     proc = start_worker(db, "--lease-seconds", "2")
     wait_for_results(db, 3, proc)
+    still_running(proc, "cancelled")
     invoke("cancel", job_id, "--db", db)
     proc.communicate(timeout=60)
     assert proc.returncode == 0
     status = invoke_json("status", job_id, "--db", db)
     assert status["status"] == "cancelled"
     assert status["counts"]["pending"] == 0 and status["counts"]["running"] == 0
-    assert status["counts"]["completed"] < NUM_ROWS and status["counts"]["cancelled"] > 0
+    assert status["counts"]["completed"] < num_rows and status["counts"]["cancelled"] > 0
     with open_store(db).session_scope() as session:  # no result landed on a cancelled request
         assert session.scalar(select(func.count()).select_from(Result).join(Request)
                               .where(Request.state != "completed")) == 0
