@@ -130,3 +130,123 @@ def test_sample_applies_output_penalties_to_its_rows_only() -> None:
         seq.append_token(1)
         seq.append_token(1)  # token 1 twice in the output: 3 - 2 x 1.0 = 1 < 2
     assert sample(logits.clone(), seqs, set()).token_ids == [2, 1]
+
+
+# ------------------------------------------------------------------ the distribution, against transformers
+
+def _hf_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The distribution transformers' own warpers give (temperature, top-k, top-p, min-p, in its order)."""
+    from transformers.generation.logits_process import (
+        MinPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    scores = logits[None].clone()
+    warpers = [TemperatureLogitsWarper(p.temperature)]
+    if p.top_k:
+        warpers.append(TopKLogitsWarper(p.top_k))
+    if p.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(p.top_p))
+    if p.min_p:
+        warpers.append(MinPLogitsWarper(p.min_p))
+    for warper in warpers:
+        scores = warper(None, scores)
+    return torch.softmax(scores, dim=-1)[0]
+
+
+def _peaked(vocab: int, seed: int) -> torch.Tensor:
+    """Logits like a real model's: a few strong tokens, a long tail."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(vocab, generator=gen) * 2.5
+
+
+SETTINGS = [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.8, top_p=0.95),
+    SamplingParams(temperature=0.7, top_p=0.9, top_k=40),
+    SamplingParams(temperature=1.0, top_k=5),
+    SamplingParams(temperature=1.0, top_k=300),  # wider than the cut
+    SamplingParams(temperature=1.3, min_p=0.05),
+    SamplingParams(temperature=0.9, top_p=0.8, min_p=0.1),  # top-p before min-p, as transformers applies them
+    SamplingParams(temperature=2.0, top_p=0.99),  # a nucleus wider than the cut: the full-vocabulary path
+]
+
+
+@pytest.mark.parametrize("params", SETTINGS, ids=lambda p: f"T{p.temperature}-k{p.top_k}-p{p.top_p}-m{p.min_p}")
+@pytest.mark.parametrize("scale", [1.0, 0.2], ids=["peaked", "flat"])
+def test_draws_follow_the_distribution_of_transformers_warpers(params: SamplingParams, scale: float) -> None:
+    """4,000 draws (one row each, its own generator) against transformers' probabilities: the same support
+    exactly, and frequencies that pass a chi-square test (seeded: the verdict is the same every run)."""
+    from bulkgen.engine.sampler import sample_rows
+
+    vocab, num_draws = 2000, 4000
+    logits = _peaked(vocab, seed=7) * scale
+    expected = _hf_probs(logits, params)
+    generators = [torch.Generator().manual_seed(i) for i in range(num_draws)]
+    draws = sample_rows(logits.repeat(num_draws, 1), [params] * num_draws, generators)
+    counts = torch.bincount(draws, minlength=vocab).double()
+    support = expected > 0
+    assert not counts[~support].any(), "a token outside transformers' kept set was drawn"
+    # chi-square over bins of tokens (by falling probability) that each expect at least 20 draws
+    order = expected.argsort(descending=True)
+    bins = torch.cumsum(expected[order] * num_draws, 0).div(20, rounding_mode="floor").long()
+    bins[bins == bins.max()] = max(int(bins.max()) - 1, 0)  # the last, partial bin joins the one before
+    observed = torch.zeros(int(bins.max()) + 1, dtype=torch.float64).index_add_(0, bins, counts[order])
+    wanted = torch.zeros_like(observed).index_add_(0, bins, expected[order].double() * num_draws)
+    keep = wanted > 0
+    chi2 = float(((observed[keep] - wanted[keep]) ** 2 / wanted[keep]).sum())
+    dof = int(keep.sum()) - 1
+    assert dof >= 3
+    p_value = float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                            torch.tensor(chi2 / 2, dtype=torch.float64)))  # chi-square's tail
+    assert p_value > 1e-4, (chi2, dof, p_value)
+
+
+def test_the_same_row_draws_the_same_token_whatever_its_batch() -> None:
+    from bulkgen.engine.sampler import sample_rows
+
+    logits = torch.stack([_peaked(2000, seed=s) * scale for s, scale in ((1, 1.0), (2, 0.1), (3, 1.0))])
+    params = [SamplingParams(temperature=0.8, top_p=0.95), SamplingParams(temperature=1.0),
+              SamplingParams(temperature=0.7, top_k=20)]
+    together = sample_rows(logits, params, [torch.Generator().manual_seed(5 + i) for i in range(3)]).tolist()
+    alone = [int(sample_rows(logits[i:i + 1], params[i:i + 1], [torch.Generator().manual_seed(5 + i)])[0])
+             for i in range(3)]
+    assert together == alone
+
+
+def test_low_temperature_approaches_greedy_and_top_k_one_is_greedy() -> None:
+    from bulkgen.engine.sampler import sample_rows
+
+    logits = _peaked(2000, seed=11)
+    generators = [torch.Generator().manual_seed(i) for i in range(200)]
+    cold = sample_rows(logits.repeat(200, 1), [SamplingParams(temperature=1e-3)] * 200, generators)
+    top1 = sample_rows(logits.repeat(200, 1), [SamplingParams(temperature=5.0, top_k=1)] * 200, generators)
+    assert set(cold.tolist()) == set(top1.tolist()) == {int(logits.argmax())}
+
+
+def test_masked_logits_are_not_a_broken_row_and_a_dead_end_says_so() -> None:
+    """-inf is what masks write: a sampled row with most tokens masked samples among the rest; a row with
+    every token masked fails as a dead end of its grammar; NaN or +inf fail as broken, greedy or drawn."""
+    from bulkgen.engine.sampler import BROKEN, DEAD_END, sample
+    from bulkgen.engine.sequence import Sequence
+
+    vocab = 600
+    logits = _peaked(vocab, seed=3).repeat(6, 1)
+    logits[0, 10:] = float("-inf")  # a grammar's mask: drawn
+    logits[1, 10:] = float("-inf")  # the same, greedy
+    logits[2, :] = float("-inf")  # a dead end, drawn
+    logits[3, 5] = float("nan")  # broken, drawn
+    logits[4, 7] = float("inf")  # broken, greedy
+    logits[5, :] = float("-inf")  # a dead end, greedy
+    greedy = {1, 4, 5}
+    seqs = [Sequence(i, [0], SamplingParams() if i in greedy else SamplingParams(temperature=1.0, seed=i))
+            for i in range(6)]
+    for seq in seqs:
+        seq.matcher = object() if seq.request_id in (2, 5) else None
+        if not seq.params.is_greedy:
+            seq.generator = torch.Generator().manual_seed(seq.request_id)
+    result = sample(logits, seqs, set())
+    assert result.errors == [None, None, DEAD_END, BROKEN, BROKEN, DEAD_END]
+    assert result.token_ids[0] < 10 and result.token_ids[1] == int(logits[1].argmax())

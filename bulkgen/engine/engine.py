@@ -196,8 +196,8 @@ class Engine:
         result = sampler.sample(logits, sampled_seqs, self.eos_token_ids, self.runner.ops.argmax)
         finished = []
         for i, seq in enumerate(sampled_seqs):
-            if not result.finite[i]:
-                seq.error = "the model produced non-finite logits (NaN or inf) for this request"
+            if result.errors[i] is not None:
+                seq.error = result.errors[i]
                 status = SequenceStatus.FINISHED_ERROR
             else:
                 status = self._append(seq, result.token_ids[i], result.logprobs[i])

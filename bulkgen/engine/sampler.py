@@ -1,11 +1,18 @@
 """Sampling as small pure functions over a step's logits [num_sampled, vocab] (float32), batched on the
-logits' device: masks, penalties, temperature and the top-k / min-p / top-p filters act on all rows at once,
-and the step reads back one tensor (the chosen tokens, -1 where a row's logits were not finite). That read
+logits' device: masks, penalties, temperature and the top-k / top-p / min-p filters act on all rows at once,
+and the step reads back one tensor (the chosen tokens, or a code where a row cannot be sampled). That read
 is the step's only synchronisation with a GPU; log-probabilities, where asked for, come back beside it.
 
-Each sequence draws from its own torch.Generator, seeded from its request's seed, so a sampled request gives
-the same tokens whatever else shares its batch: its row gets exponential noise from its generator, and the
-token is argmax(probs / noise) (an exact draw from probs: the exponential race; one kernel for all rows).
+A row is broken when its logits hold NaN or +inf (a NaN wins the row's max and argmax, so the chosen or the
+largest logit tells); -inf is what masks write (a grammar, ignore_eos), never a fault. A row whose every token
+is masked has nothing to sample: its grammar reached a dead end.
+
+Drawn rows follow transformers' warpers (temperature, then top-k, top-p, min-p) exactly, without sorting the
+vocabulary: the filters act on the row's best CANDIDATES logits (one top-k), and a row goes to the full-vocabulary
+path only where that cut cannot decide its kept set (no filter at all, or a set wider than the cut). Each row
+draws one uniform from its own torch.Generator, seeded from its request's seed, and takes the token where it
+falls in the row's cumulative kept weights (inverse CDF): a sampled request gives the same tokens whatever
+else shares its batch.
 """
 
 from __future__ import annotations
@@ -21,13 +28,22 @@ import torch
 from bulkgen.config import SamplingParams
 from bulkgen.engine.sequence import Sequence
 
-NOT_FINITE = -1  # the token read back for a row whose logits held NaN or inf
+NOT_FINITE = -1  # read back for a row whose logits held NaN or +inf
+NO_TOKEN = -2  # read back for a row whose every token was masked
+# The cut the filters act on first. A topk of 256 over SmolLM2's 49,152 logits costs about a tenth of the
+# sort it replaces; 256 holds the nucleus (top-p 0.95, T 0.8) of almost every real step.
+CANDIDATES = 256
+
+BLOCK = 1024  # the full-vocabulary path's inverse CDF: blocks first, then tokens within one block
+BROKEN = "the model produced non-finite logits (NaN or +inf) for this request"
+DEAD_END = ("the JSON schema allows no next token here (its grammar reached a dead end): check that the schema "
+            "can be completed")
 
 
 @dataclass
 class SampleResult:
     token_ids: list[int]
-    finite: list[bool]  # False where a row's logits held NaN or inf (that sequence fails)
+    errors: list[str | None]  # per row: None, or why that row could not be sampled (that sequence fails)
     logprobs: list[Any]  # per row: None, or {"token": id, "logprob": x, "top": [[id, logprob], ...]}
 
 
@@ -43,12 +59,12 @@ def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Collection[int],
            argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> SampleResult:
     """Choose each row's next token. `logits` may be modified in place (masks, penalties) unless a row
-    needs them raw (log-probabilities, sampling). `argmax` is row-wise over float32 (torch's by default)."""
+    needs them raw (log-probabilities). `argmax` is row-wise over float32 (torch's by default)."""
     num_rows = logits.shape[0]
     if num_rows == 0:
         return SampleResult([], [], [])
     device = logits.device
-    needs_raw = any(s.params.logprobs is not None or not s.params.is_greedy for s in seqs)
+    needs_raw = any(s.params.logprobs is not None for s in seqs)
     processed = logits.clone() if needs_raw and _modifies(seqs, eos_token_ids) else logits
     masked_rows = [i for i, s in enumerate(seqs) if s.params.ignore_eos]
     if masked_rows and eos_token_ids:
@@ -67,28 +83,41 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Collection
         apply_output_penalties(processed, counted, [seqs[i].output_token_ids for i in counted],
                                [seqs[i].params.frequency_penalty for i in counted],
                                [seqs[i].params.presence_penalty for i in counted])
-    argmax = argmax or (lambda x: x.argmax(dim=-1))
-    drawn = [i for i, s in enumerate(seqs) if not s.params.is_greedy]
-    if not drawn:
-        tokens = argmax(processed)
-        # A NaN or +inf logit wins argmax, so checking the chosen logits finds broken rows cheaply.
-        finite = torch.isfinite(processed.gather(1, tokens.to(device)[:, None]))[:, 0]
-    else:
-        tokens = processed.argmax(dim=-1)
-        rows = to_device(np.array(drawn, dtype=np.int64), device)
-        raw = logits[rows]
-        tokens[rows] = sample_rows(processed[rows], [seqs[i].params for i in drawn],
-                                   [seqs[i].generator for i in drawn])
-        finite = torch.isfinite(processed.gather(1, tokens[:, None]))[:, 0]
-        finite[rows] = torch.isfinite(raw).all(dim=-1)
-    chosen = torch.where(finite, tokens.to(device), NOT_FINITE).tolist()  # the step's one read
+    tokens, best = _choose(processed, seqs, argmax or (lambda x: x.argmax(dim=-1)))
+    codes = torch.where(torch.isnan(best) | (best == float("inf")), NOT_FINITE,
+                        torch.where(best == float("-inf"), NO_TOKEN, tokens))
+    chosen = codes.tolist()  # the step's one read
     wanted = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
     logprobs: list[Any] = [None] * num_rows
     if wanted:
         for i, entry in zip(wanted, _logprobs(logits, wanted, chosen, [seqs[i].params.logprobs for i in wanted]),
                             strict=True):
             logprobs[i] = entry
-    return SampleResult([max(t, 0) for t in chosen], [t != NOT_FINITE for t in chosen], logprobs)
+    errors = [None if t >= 0 else DEAD_END if t == NO_TOKEN and seq.matcher is not None else BROKEN
+              for t, seq in zip(chosen, seqs, strict=True)]
+    return SampleResult([max(t, 0) for t in chosen], errors, logprobs)
+
+
+def _choose(processed: torch.Tensor, seqs: list[Sequence],
+            argmax: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's token [rows] (int64) and its largest processed logit [rows] (NaN if the row holds one)."""
+    device = processed.device
+    drawn = [i for i, s in enumerate(seqs) if not s.params.is_greedy]
+    if not drawn:  # a NaN or +inf logit wins argmax: the chosen logit tells a broken row
+        tokens = argmax(processed).to(device)
+        return tokens, processed.gather(1, tokens[:, None])[:, 0]
+    if len(drawn) == len(seqs):
+        return sample_rows(processed, [s.params for s in seqs], [s.generator for s in seqs], with_best=True)
+    greedy = [i for i, s in enumerate(seqs) if s.params.is_greedy]
+    tokens = torch.empty(len(seqs), dtype=torch.int64, device=device)
+    best = torch.empty(len(seqs), dtype=processed.dtype, device=device)
+    for rows, (row_tokens, row_best) in (
+            (greedy, _choose(processed[to_device(np.array(greedy), device)], [seqs[i] for i in greedy], argmax)),
+            (drawn, sample_rows(processed[to_device(np.array(drawn), device)], [seqs[i].params for i in drawn],
+                                [seqs[i].generator for i in drawn], with_best=True))):
+        index = to_device(np.array(rows, dtype=np.int64), device)
+        tokens[index], best[index] = row_tokens, row_best
+    return tokens, best
 
 
 def _modifies(seqs: list[Sequence], eos_token_ids: Collection[int]) -> bool:
@@ -141,33 +170,134 @@ def apply_output_penalties(logits: torch.Tensor, rows: list[int], output_ids: Se
     logits[row_t] -= penalties[:, 0:1] * counts + penalties[:, 1:2] * (counts > 0)
 
 
-def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
-                generators: list[torch.Generator | None]) -> torch.Tensor:
-    """Temperature, then top-k, min-p and top-p filters, then one draw per row from its generator.
-    logits [rows, vocab] float32 (not modified); returns the drawn token ids [rows] (int64, on the device)."""
+def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+                with_best: bool = False) -> Any:
+    """Temperature, then top-k, top-p and min-p as transformers' warpers apply them, then one draw per row
+    from its generator. logits [rows, vocab] float32 (not modified); returns the drawn token ids [rows] (int64,
+    on the device), and with_best also each row's largest logit [rows]."""
     rows, vocab = logits.shape
     device = logits.device
-    settings = np.array([[p.temperature, p.top_k if 0 < p.top_k < vocab else vocab, p.min_p, p.top_p]
+    cut = min(CANDIDATES, vocab)
+    settings = np.array([[p.temperature, p.top_k if 0 < p.top_k < vocab else 0, p.min_p, p.top_p]
                          for p in params], dtype=np.float32)
     knobs = to_device(settings, device)
-    x = logits / knobs[:, 0:1]
-    if any(0 < p.top_k < vocab for p in params):
-        k = max(int(v) for v in settings[:, 1])
-        top = torch.topk(x, k, dim=-1).values  # [rows, k], descending
-        kth = top.gather(1, (knobs[:, 1:2].long() - 1).clamp(max=k - 1))
-        x = x.masked_fill(x < kth, float("-inf"))
-    probs = torch.softmax(x, dim=-1)
-    if any(p.min_p > 0 for p in params):
-        probs = probs.masked_fill(probs < knobs[:, 2:3] * probs.amax(dim=-1, keepdim=True), 0.0)
-    if any(p.top_p < 1.0 for p in params):
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        cumulative = sorted_probs.cumsum(dim=-1)
-        drop = cumulative - sorted_probs > knobs[:, 3:4] * cumulative[:, -1:]
-        probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs.masked_fill(drop, 0.0))
-    noise = torch.empty_like(probs)
-    for r, generator in enumerate(generators):
-        noise[r].exponential_(generator=generator)
-    return (probs / noise.clamp_(min=1e-30)).argmax(dim=-1)
+    temperature, top_k, min_p, top_p = (knobs[:, i:i + 1] for i in range(4))  # each [rows, 1]
+    uniform = torch.cat([torch.rand(1, generator=g, device=device) for g in generators])[:, None]  # [rows, 1]
+    best = logits.amax(dim=-1)  # NaN where a row holds one
+    tokens = torch.empty(rows, dtype=torch.int64, device=device)
+    # rows with no filter keep the whole vocabulary: no cut can decide them
+    is_open = (settings[:, 1] == 0) & (settings[:, 2] == 0) & (settings[:, 3] >= 1.0)
+    wide = np.flatnonzero(is_open)
+    if not is_open.all():
+        cut_rows = np.flatnonzero(~is_open)
+        index = None if len(cut_rows) == rows else to_device(cut_rows, device)
+        sub = logits if index is None else logits[index]
+        values, ids = sub.topk(cut, dim=-1)  # [n, cut], descending: the same order as logits / T
+        values, ids = _ties_by_id(values, ids)
+        knobs_cut = [k if index is None else k[index] for k in (temperature, top_k, min_p, top_p, uniform)]
+        # top-p without top-k is relative to the whole row's mass: one pass for its normaliser (an upper
+        # bound from the cut alone was too loose to decide three rows in four of SmolLM2's)
+        z_rows = settings[cut_rows][:, 3] < 1.0
+        log_z = None
+        if z_rows.any():  # sum of exp((logits - best) / T): one fused multiply-add, exp in place, a sum
+            inverse_t = 1.0 / knobs_cut[0]
+            log_z = torch.addcmul(-values[:, :1] * inverse_t, sub, inverse_t).exp_().sum(dim=-1, keepdim=True).log_()
+        picked, decided = _sample_candidates(values, ids, *knobs_cut, vocab, log_z)
+        if index is None:
+            tokens = picked
+        else:
+            tokens[index] = picked
+        if cut < vocab:
+            undecided = decided.logical_not().cpu().numpy()  # a read, on a step that samples
+            wide = np.union1d(wide, cut_rows[undecided])
+    if len(wide):
+        index = None if len(wide) == rows else to_device(wide, device)
+        knob = (lambda t: t) if index is None else (lambda t: t[index])
+        picked = _sample_full(logits if index is None else logits[index], knob(temperature), knob(top_k),
+                              knob(min_p), knob(top_p), knob(uniform), knob(best[:, None]), settings[wide])
+        if index is None:
+            tokens = picked
+        else:
+            tokens[index] = picked
+    return (tokens, best) if with_best else tokens
+
+
+def _ties_by_id(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Candidates in one order whatever the batch: by value, equal values by token id."""
+    by_id, order = ids.sort(dim=-1)
+    values = values.gather(1, order)
+    by_value, order = values.sort(dim=-1, descending=True, stable=True)
+    return by_value, by_id.gather(1, order)
+
+
+def _sample_candidates(values: torch.Tensor, ids: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                       min_p: torch.Tensor, top_p: torch.Tensor, uniform: torch.Tensor, vocab: int,
+                       log_z: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draws among each row's candidates ([rows, cut], descending), and whether the cut decided the row: its
+    kept set lies inside the cut (a filter drops the last candidate, hence all beyond it), and top-p's
+    normaliser is known (log_z: the row's, relative to its best; or the top-k set's inside the cut) or
+    bounded tightly enough that no candidate's fate depends on it (the rest of the set is at most
+    (set size - cut) x the last candidate's weight)."""
+    rows, cut = values.shape
+    x = (values - values[:, :1]) / temperature  # log-weights against the best candidate (x[:, 0] = 0)
+    has_k = top_k > 0
+    kth = values.gather(1, (top_k.long() - 1).clamp(0, cut - 1))
+    k_within = has_k & (top_k <= cut)
+    k_decided = k_within & ((kth > values[:, -1:]) | (cut == vocab))
+    keep = ~k_within | (values >= kth)
+    weights = torch.exp(x) * keep
+    # top-p over the top-k set's mass where the cut holds it, else bounded by what lies beyond the cut
+    z_low = weights.sum(dim=-1, keepdim=True)
+    set_size = torch.where(has_k, top_k, torch.full_like(top_k, vocab))
+    z_high = torch.where(k_decided, z_low, z_low + (set_size - cut).clamp(min=0) * torch.exp(x[:, -1:]))
+    if log_z is not None:  # the whole row's mass, where top-k does not narrow it
+        exact = torch.exp(log_z)
+        z_low, z_high = (torch.where(has_k, z, exact) for z in (z_low, z_high))
+    before = weights.cumsum(dim=-1) - weights  # mass of the better candidates
+    p_kept = before < top_p * z_low  # kept whatever the normaliser
+    p_dropped = before >= top_p * z_high  # dropped whatever the normaliser
+    has_p = top_p < 1.0
+    keep_m = (x >= torch.log(min_p.clamp(min=1e-30))) | (min_p <= 0)
+    undecided_p = has_p & ~p_kept & ~p_dropped & keep & keep_m
+    keep = keep & keep_m & (p_kept | ~has_p)
+    drops_last = (k_decided | (has_p & p_dropped[:, -1:]) | ((min_p > 0) & ~keep_m[:, -1:])
+                  | (cut == vocab))
+    decided = (drops_last & ~undecided_p.any(dim=-1, keepdim=True) & ~(k_within & ~k_decided))[:, 0]
+    cdf = (weights * keep).cumsum(dim=-1)
+    pick = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).clamp_(max=cut - 1)
+    return ids.gather(1, pick)[:, 0], decided
+
+
+def _sample_full(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, min_p: torch.Tensor,
+                 top_p: torch.Tensor, uniform: torch.Tensor, best: torch.Tensor, settings: np.ndarray) -> torch.Tensor:
+    """Rows over the whole vocabulary, in token order: weights relative to the best token (in place, three
+    passes), filters, then the inverse CDF in two levels (blocks of BLOCK tokens, then within the block
+    drawn) so that no cumulative sum runs over the whole vocabulary."""
+    rows, vocab = logits.shape
+    weights = logits.sub(best).div_(temperature).exp_()  # p / p_max
+    if (settings[:, 1] > 0).any():
+        k = int(settings[:, 1].max())
+        kth = torch.topk(weights, k, dim=-1).values.gather(1, (top_k.long() - 1).clamp(min=0))
+        weights.masked_fill_((weights < kth) & (top_k > 0), 0.0)
+    if (settings[:, 3] < 1.0).any():  # the nucleus of rows wider than the cut: sorted, as transformers does
+        sorted_w, order = weights.sort(dim=-1, descending=True, stable=True)
+        drop = sorted_w.cumsum(dim=-1) - sorted_w >= top_p * sorted_w.sum(dim=-1, keepdim=True)
+        weights = torch.zeros_like(weights).scatter_(1, order, sorted_w.masked_fill_(drop & (top_p < 1.0), 0.0))
+    if (settings[:, 2] > 0).any():
+        weights.masked_fill_(weights < min_p, 0.0)
+    num_blocks = -(-vocab // BLOCK)
+    if vocab % BLOCK:
+        weights = torch.nn.functional.pad(weights, (0, num_blocks * BLOCK - vocab))
+    blocks = weights.view(rows, num_blocks, BLOCK)
+    block_cdf = blocks.sum(dim=-1).cumsum(dim=-1)  # [rows, num_blocks]
+    target = uniform * block_cdf[:, -1:]
+    block = torch.searchsorted(block_cdf, target, right=True).clamp_(max=num_blocks - 1)  # [rows, 1]
+    before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)), 0.0)
+    inside = blocks.gather(1, block[:, :, None].expand(rows, 1, BLOCK))[:, 0].cumsum(dim=-1)  # [rows, BLOCK]
+    offset = torch.searchsorted(inside, target - before, right=True)
+    # where rounding puts the target past the block's last weight: its last token with weight
+    last = (inside < inside[:, -1:]).sum(dim=-1, keepdim=True)
+    return (block * BLOCK + torch.minimum(offset, last)).clamp_(max=vocab - 1)[:, 0]
 
 
 def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
