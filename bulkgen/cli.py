@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from bulkgen.config import Paths
+from bulkgen.config import Paths, SamplingParams
 from bulkgen.errors import BulkgenError
 from bulkgen.packing import DEFAULT_POLICY, POLICIES
 
@@ -379,7 +379,7 @@ def _bench_queue(workers: str, dbs: tuple[str, ...], num_requests: int, max_num_
                  json_path: Path | None) -> None:
     import tempfile
 
-    from bulkgen.bench.queue import run_queue_bench
+    from bulkgen.bench.queue_capacity import run_queue_bench
     from bulkgen.store import open_store
 
     try:
@@ -504,6 +504,15 @@ def export(job_id: int, output: Path, include_inputs: bool, input_path: Path | N
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of a synthetic or made workload.")
 @click.option("--reference", help="Engine (as named in the table) whose tokens the others are compared with "
                                   "(default: the first hf-* engine).")
+@click.option("--temperature", type=float, default=0.0, show_default=True,
+              help="Sample every engine's requests at this temperature (each request seeded by its index); an "
+                   "engine named NAME@greedy stays greedy, and the Hugging Face peers always are.")
+@click.option("--top-p", type=float, default=1.0, show_default=True, help="With --temperature: nucleus sampling.")
+@click.option("--top-k", type=int, default=0, show_default=True, help="With --temperature: keep the k most likely.")
+@click.option("--min-p", type=float, default=0.0, show_default=True,
+              help="With --temperature: drop tokens below this share of the most likely one's probability.")
+@click.option("--json-schema", "bench_schema", metavar="FILE_OR_JSON",
+              help="The schema of bulkgen@json's outputs (default: an array no budget can finish).")
 @click.option("--queue", "queue_bench", is_flag=True,
               help="Measure the queue alone: worker processes claim and commit through the real store with an "
                    "engine that finishes each request at once (no model); requests/s per worker count.")
@@ -518,6 +527,7 @@ def bench(workload: Path | None, synthetic: int | None, suite: str | None, suite
           suite_peer_requests: int, make_workload: int | None, limit: int | None, chat: bool, max_new_tokens: int,
           model: str | None, compare: str, policy: str, kv_admission: bool, hf_batch_size: str,
           vllm_python: str | None, json_path: Path | None, plot_path: Path | None, seed: int, reference: str | None,
+          temperature: float, top_p: float, top_k: int, min_p: float, bench_schema: str | None,
           queue_bench: bool, queue_workers: str, queue_dbs: tuple[str, ...], queue_requests: int,
           **engine: Any) -> None:
     """Benchmark bulkgen against its peers on one workload, all in one run, and print one table.
@@ -536,6 +546,7 @@ def bench(workload: Path | None, synthetic: int | None, suite: str | None, suite
       bulkgen bench --synthetic 32 --compare bulkgen@fifo,hf-static,bulkgen-store
       bulkgen bench w256.parquet --kv-cache-memory 360MiB --compare bulkgen@fifo@no-kv-admission
       bulkgen bench w64.parquet --compare bulkgen@torch,vllm     # the C kernels against plain torch
+      bulkgen bench w256.parquet --temperature 0.8 --top-p 0.95 --compare bulkgen@greedy,bulkgen@json,vllm
       bulkgen bench --suite gpu --json gpu.json                 # one command measures a GPU
       bulkgen bench --queue --workers 1,2,4,8 --db postgresql+psycopg://postgres@127.0.0.1/bench
     """
@@ -569,6 +580,10 @@ def bench(workload: Path | None, synthetic: int | None, suite: str | None, suite
         data = wl.synthetic(synthetic, len(tokenizer), seed)
     config = build_engine_config(engine)
     engines = parse_engines(compare, config.dtype)
+    sampling = _bench_sampling(temperature, top_p, top_k, min_p)
+    from bulkgen.jobspec import load_schema
+
+    schema = load_schema(bench_schema) if bench_schema is not None else None
     vllm_blocks = None
     if config.kv_cache_memory is not None and any(run.name == "vllm" for run in engines):
         from transformers import AutoConfig
@@ -583,13 +598,14 @@ def bench(workload: Path | None, synthetic: int | None, suite: str | None, suite
     options = BenchOptions(model_path=str(resolved.path), engines=engines, engine_config=asdict(config),
                            policy=policy, kv_admission=kv_admission,
                            hf_batch_sizes=[int(b) for b in hf_batch_size.split(",")], vllm_python=vllm_python,
-                           vllm_num_blocks=vllm_blocks, num_threads=config.num_threads, reference=reference)
+                           vllm_num_blocks=vllm_blocks, num_threads=config.num_threads, reference=reference,
+                           sampling=sampling, json_schema=None if schema is None else json.loads(schema))
     report = run_bench(data, options, log=lambda m: click.echo(m, err=True))
     d = report["workload"]
     click.echo(f"workload {d['name']}: {d['num_requests']} requests, {d['num_prompt_tokens']:,} prompt tokens "
                f"(min {d['prompt_tokens_min']}, mean {d['prompt_tokens_mean']}, max {d['prompt_tokens_max']}), "
                f"{d['num_output_tokens']:,} output tokens; model {resolved.name}; dtype {config.dtype}; "
-               f"policy {policy}; {report['machine']}")
+               f"policy {policy}; {_sampling_text(sampling)}; {report['machine']}")
     click.echo(format_table(report))
     if json_path:
         write_json(report, json_path)
@@ -599,6 +615,25 @@ def bench(workload: Path | None, synthetic: int | None, suite: str | None, suite
             click.echo(f"wrote {plot_path}", err=True)
         else:
             click.echo("no plot: install matplotlib (pip install bulkgen[bench])", err=True)
+
+
+def _bench_sampling(temperature: float, top_p: float, top_k: int, min_p: float) -> dict[str, Any]:
+    """The bench's sampling flags, checked as a request's are; {} for greedy."""
+    if not temperature:
+        if top_p != 1.0 or top_k or min_p:
+            raise click.UsageError("--top-p, --top-k and --min-p need --temperature > 0 (without it every engine "
+                                   "decodes greedily)")
+        return {}
+    checked = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
+    return {"temperature": checked.temperature, "top_p": checked.top_p, "top_k": checked.top_k,
+            "min_p": checked.min_p}
+
+
+def _sampling_text(sampling: dict[str, Any]) -> str:
+    if not sampling:
+        return "greedy"
+    return "sampled " + " ".join(f"{k.replace('_', '-')} {v:g}" for k, v in sampling.items()
+                                 if (k, v) not in (("top_p", 1.0), ("top_k", 0), ("min_p", 0.0)))
 
 
 def _bench_suite(models: str, num_requests: int, peer_requests: int, hf_batch_size: str, json_path: Path | None,

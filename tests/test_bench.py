@@ -111,3 +111,92 @@ def test_queue_bench_runs_workers_through_the_real_store(make_db, tmp_path: Path
         assert session.scalar(select(func.count()).select_from(Result)) == 600
         assert session.scalar(select(func.max(Request.attempts))) == 1
     assert "--workers takes worker counts" in invoke("bench", "--queue", "--workers", "0", expect=2).output
+
+
+FAKE_VLLM = '''"""A stand-in for vLLM with its interface: records what it was asked, returns budget-long outputs."""
+import json
+import os
+import queue  # torch imports it: it must be the standard library's, not a module of bulkgen's
+import sys
+
+assert hasattr(queue, "Queue") and "bulkgen" not in (queue.__file__ or ""), queue.__file__
+assert not any(p.endswith(os.path.join("bulkgen", "bench")) for p in sys.path), sys.path
+__version__ = "0.0-fake"
+
+
+class SamplingParams:
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+
+
+class _Out:
+    def __init__(self, request_id, n):
+        self.request_id, self.finished = request_id, True
+        self.outputs = [type("Completion", (), {"token_ids": [7] * n})()]
+
+
+class _Engine:
+    def __init__(self):
+        self.pending = []
+
+    def add_request(self, request_id, prompt, params):
+        with open(os.environ["FAKE_VLLM_LOG"], "a") as log:
+            log.write(json.dumps(params.kwargs) + "\\n")
+        self.pending.append(_Out(request_id, params.kwargs["max_tokens"]))
+
+    def has_unfinished_requests(self):
+        return bool(self.pending)
+
+    def step(self):
+        done, self.pending = self.pending, []
+        return done
+
+
+class LLM:
+    def __init__(self, model, dtype, seed, **kwargs):
+        self.llm_engine = _Engine()
+
+    def generate(self, prompts, params, use_tqdm=False):
+        return []
+'''
+
+
+def test_the_vllm_peer_starts_as_the_bench_starts_it_and_gets_the_runs_sampling(tmp_path: Path,
+                                                                                  tiny_model_dir: Path) -> None:
+    """The vLLM child runs as a script under another Python: nothing of bulkgen's may shadow the standard
+    library there, and it must get the run's sampling settings (each request seeded by its index)."""
+    import os
+    import sys
+
+    fake = tmp_path / "fake-site"
+    (fake / "vllm").mkdir(parents=True)
+    (fake / "vllm" / "__init__.py").write_text(FAKE_VLLM)
+    (fake / "vllm" / "inputs.py").write_text("def TokensPrompt(prompt_token_ids):\n    return prompt_token_ids\n")
+    python = tmp_path / "vllm-python"  # an environment's Python that has vllm (the bench drops PYTHONPATH)
+    python.write_text(f"#!/bin/sh\nPYTHONPATH={fake} exec {sys.executable} \"$@\"\n")
+    python.chmod(0o755)
+    log = tmp_path / "vllm-requests.jsonl"
+    os.environ["FAKE_VLLM_LOG"] = str(log)
+    try:
+        out_json = tmp_path / "bench.json"
+        result = invoke("bench", "--synthetic", 4, "--model", tiny_model_dir, "--compare", "vllm,vllm@greedy",
+                        "--max-new-tokens", 6, "--kv-cache-memory", "8MiB", "--vllm-python", python,
+                        "--temperature", 0.8, "--top-p", 0.95, "--json", out_json)
+    finally:
+        del os.environ["FAKE_VLLM_LOG"]
+    engines = {r["engine"]: r for r in json.loads(out_json.read_text())["results"]}
+    assert not any("error" in r for r in engines.values()), engines
+    assert set(engines) == {"bulkgen", "vllm", "vllm@greedy"} and "sampled temperature 0.8 top-p 0.95" in result.stdout
+    asked = [json.loads(line) for line in log.read_text().splitlines()]
+    sampled, greedy = asked[:4], asked[4:]
+    assert [a["seed"] for a in sampled] == [0, 1, 2, 3]
+    assert all(a["temperature"] == 0.8 and a["top_p"] == 0.95 and a["ignore_eos"] for a in sampled)
+    assert all(a["temperature"] == 0 and "seed" not in a for a in greedy)
+
+
+def test_bench_sampling_flags_are_checked_before_anything_runs(tiny_model_dir: Path) -> None:
+    result = invoke("bench", "--synthetic", 2, "--model", tiny_model_dir, "--top-p", 0.9, expect=2)
+    assert "--temperature" in result.output
+    result = invoke("bench", "--synthetic", 2, "--model", tiny_model_dir, "--temperature", 0.8, "--top-p", 1.5,
+                    expect=2)
+    assert "top-p must be in (0, 1]" in result.output

@@ -18,6 +18,13 @@ from bulkgen.bench.workload import Workload
 from bulkgen.engine.runner import TORCH_DTYPES
 
 
+def _sampling(spec: dict[str, Any], i: int) -> dict[str, Any]:
+    """The run's sampling settings (bench --temperature ...) for request i, seeded by its index as a
+    submitted job's rows are; {} for greedy."""
+    sampling = spec.get("sampling") or {}
+    return {**sampling, "seed": i} if sampling.get("temperature") else {}
+
+
 def run_bulkgen(spec: dict[str, Any], workload: Workload) -> dict[str, Any]:
     from bulkgen.config import EngineConfig, SamplingParams
     from bulkgen.engine.engine import Engine
@@ -42,7 +49,7 @@ def run_bulkgen(spec: dict[str, Any], workload: Workload) -> dict[str, Any]:
     start = time.perf_counter()
     for i in items:
         engine.add(i, workload.prompts[i], SamplingParams(max_new_tokens=workload.max_new_tokens[i], ignore_eos=True,
-                                                          json_schema=schema))
+                                                          json_schema=schema, **_sampling(spec, i)))
     outputs: dict[int, list[int]] = {}
     finish: dict[int, float] = {}
     complete: dict[int, str] = {}
@@ -130,14 +137,14 @@ def run_bulkgen_store(spec: dict[str, Any], workload: Workload) -> dict[str, Any
     model_path = str(Path(spec["model"]).resolve())
     with tempfile.TemporaryDirectory() as tmp:
         store = open_store(f"sqlite:///{tmp}/bench.db")
-        sampling = SamplingParams(ignore_eos=True, seed=0)
+        sampling = SamplingParams(ignore_eos=True, **{**_sampling(spec, 0), "seed": 0})
         with store.session_scope(write=True) as session:
             job_id = job_ops.create_job(session, name="bench", model=model_path, model_path=model_path,
                                         input_path="-", input_fingerprint="-", input_columns=[],
                                         spec={"sampling": sampling.to_dict()}).id
             job_ops.insert_requests(session, [
                 {"job_id": job_id, "row": i, "sample": 0, "prompt_token_ids": pack_ids(p),
-                 "num_prompt_tokens": len(p), "max_new_tokens": n, "seed": 0, "state": "pending", "attempts": 0,
+                 "num_prompt_tokens": len(p), "max_new_tokens": n, "seed": i, "state": "pending", "attempts": 0,
                  "updated_at": utcnow()}
                 for i, (p, n) in enumerate(zip(workload.prompts, workload.max_new_tokens, strict=True))])
             job_ops.open_job(session, job_id, len(workload.prompts))

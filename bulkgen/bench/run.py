@@ -45,6 +45,7 @@ class EngineRun:
     kv_admission: bool | None = None  # bulkgen's KV admission, when it differs from the run's
     kernels: str | None = None  # bulkgen's CPU kernel paths (c, torch), when they differ from the run's
     json_schema: str | None = None  # bulkgen with every output constrained to BENCH_SCHEMAS[this]
+    greedy: bool = False  # @greedy: this engine decodes greedily whatever the run's sampling settings
 
 
 @dataclass
@@ -60,6 +61,8 @@ class BenchOptions:
     num_threads: int | None = None
     timeout_s: float = 4 * 3600
     reference: str | None = None  # label of the engine whose tokens the others are compared with
+    sampling: dict[str, Any] = field(default_factory=dict)  # temperature, top_p, top_k, min_p: {} for greedy
+    json_schema: dict[str, Any] | None = None  # bulkgen@json's schema (default BENCH_SCHEMAS["json"])
 
 
 def parse_engines(compare: str, dtype: str) -> list[EngineRun]:
@@ -77,9 +80,11 @@ def parse_engines(compare: str, dtype: str) -> list[EngineRun]:
         name, *suffixes = item.split("@")
         if name not in ENGINES:
             raise ConfigError(f"unknown engine {name!r} in --compare; known: {', '.join(ENGINES)}")
-        run_dtype, policy, kv_admission, kernels, json_schema = dtype, None, None, None, None
+        run_dtype, policy, kv_admission, kernels, json_schema, greedy = dtype, None, None, None, None, False
         for suffix in suffixes:
-            if suffix in DTYPES:
+            if suffix == "greedy" and name in ("bulkgen", "bulkgen-store", "vllm"):
+                greedy = True
+            elif suffix in DTYPES:
                 run_dtype = suffix
             elif suffix in POLICIES and name.startswith("bulkgen"):
                 policy = suffix
@@ -91,9 +96,9 @@ def parse_engines(compare: str, dtype: str) -> list[EngineRun]:
                 json_schema = suffix
             else:
                 raise ConfigError(f"cannot read {item!r} in --compare: after @ give a dtype, or for bulkgen a "
-                                  f"packing policy ({', '.join(POLICIES)}), no-kv-admission, or c / torch (its "
-                                  "CPU kernel paths)")
-        runs.append(EngineRun(name, run_dtype, policy, item, kv_admission, kernels, json_schema))
+                                  f"packing policy ({', '.join(POLICIES)}), no-kv-admission, c / torch (its "
+                                  "CPU kernel paths), json / json-free, or greedy (also for vllm)")
+        runs.append(EngineRun(name, run_dtype, policy, item, kv_admission, kernels, json_schema, greedy))
     if not any(r.label == "bulkgen" for r in runs):
         runs.insert(0, EngineRun("bulkgen", dtype, None, "bulkgen"))
     return runs
@@ -117,7 +122,8 @@ def run_bench(workload: Workload, options: BenchOptions, log: Callable[[str], No
                     "kv_admission": options.kv_admission if run.kv_admission is None else run.kv_admission,
                     "hf_batch_sizes": options.hf_batch_sizes,
                     "num_threads": options.num_threads, "vllm_num_blocks": options.vllm_num_blocks,
-                    **({"json_schema": BENCH_SCHEMAS[run.json_schema]} if run.json_schema else {})}
+                    "sampling": {} if run.greedy or name.startswith("hf-") else options.sampling,
+                    **({"json_schema": _schema(run.json_schema, options)} if run.json_schema else {})}
             spec_path, out_path = Path(tmp) / f"{label}.spec.json", Path(tmp) / f"{label}.out.json"
             spec_path.write_text(json.dumps(spec))
             log(f"bench: running {label} on {len(workload.prompts)} requests ...")
@@ -133,6 +139,11 @@ def run_bench(workload: Workload, options: BenchOptions, log: Callable[[str], No
     _compare(results, options.reference)
     return {"workload": workload.describe(), "model": options.model_path, "policy": options.policy,
             "engine_config": options.engine_config, "machine": _machine(), "results": results}
+
+
+def _schema(name: str, options: BenchOptions) -> dict[str, Any]:
+    """bulkgen@json's schema is the run's --json-schema where given."""
+    return options.json_schema if name == "json" and options.json_schema is not None else BENCH_SCHEMAS[name]
 
 
 def child_runner(timeout_s: float, hf_batch_sizes: list[int]) -> Callable[[str, dict[str, Any]], dict[str, Any]]:
@@ -184,7 +195,8 @@ def _command(name: str, options: BenchOptions) -> tuple[list[str] | None, dict[s
     if Path(TCMALLOC).exists():
         env["LD_PRELOAD"] = TCMALLOC
     script = Path(__file__).with_name("vllm_child.py")
-    return [python, str(script)], env
+    env["PYTHONSAFEPATH"] = "1"  # as -P, for a Python that reads the variable
+    return [python, "-P", str(script)], env
 
 
 def _run_child(command: list[str], env: dict[str, str], timeout_s: float) -> dict[str, Any]:

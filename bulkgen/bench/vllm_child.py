@@ -1,5 +1,8 @@
 """vLLM as a benchmark peer, run by the Python of vLLM's own virtual environment (it pins its own
-transformers, so nothing of bulkgen is imported here): `python vllm_child.py SPEC.json OUT.json`."""
+transformers, so nothing of bulkgen is imported here): `python -P vllm_child.py SPEC.json OUT.json` (-P: this
+folder is not put first on sys.path, where a module of ours could shadow one of the standard library's).
+
+Greedy by default; the bench's sampling settings, where given, with each request seeded by its index."""
 
 import json
 import sys
@@ -26,9 +29,13 @@ def main() -> None:
     llm.generate([TokensPrompt(prompt_token_ids=[100, 101, 102])], SamplingParams(max_tokens=2), use_tqdm=False)
     outputs, finish = {}, {}
     start = time.perf_counter()
+    sampling = spec.get("sampling") or {}
     for i, (prompt, n) in enumerate(zip(prompts, budgets, strict=True)):
+        drawn = {"temperature": sampling["temperature"], "seed": i,
+                 **{k: sampling[k] for k in ("top_p", "top_k", "min_p") if sampling.get(k)}} \
+            if sampling.get("temperature") else {"temperature": 0}
         engine.add_request(str(i), TokensPrompt(prompt_token_ids=prompt),
-                           SamplingParams(temperature=0, max_tokens=n, min_tokens=n, ignore_eos=True))
+                           SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True, **drawn))
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
