@@ -250,3 +250,26 @@ def test_masked_logits_are_not_a_broken_row_and_a_dead_end_says_so() -> None:
     result = sample(logits, seqs, set())
     assert result.errors == [None, None, DEAD_END, BROKEN, BROKEN, DEAD_END]
     assert result.token_ids[0] < 10 and result.token_ids[1] == int(logits[1].argmax())
+
+
+def test_a_nucleus_wider_than_every_cut_is_sorted_whole_and_still_exact() -> None:
+    """A flat row of 9,000 tokens at top-p 0.99: wider than the 256 candidates and the 4,096 second cut."""
+    from bulkgen.engine.sampler import WIDE_CUT, sample_rows
+
+    vocab, num_draws = 9000, 6000
+    assert vocab > WIDE_CUT
+    logits = _peaked(vocab, seed=5) * 0.05
+    params = SamplingParams(temperature=1.0, top_p=0.99)
+    expected = _hf_probs(logits, params)
+    assert int((expected > 0).sum()) > WIDE_CUT
+    generators = [torch.Generator().manual_seed(i) for i in range(num_draws)]
+    draws = sample_rows(logits.repeat(num_draws, 1), [params] * num_draws, generators)
+    counts = torch.bincount(draws, minlength=vocab).double()
+    assert not counts[expected == 0].any()
+    # the kept mass, in 10 bins of falling probability, against transformers'
+    order = expected.argsort(descending=True)
+    bins = (torch.cumsum(expected[order], 0) * 10).clamp(max=9.999).long()
+    observed = torch.zeros(10, dtype=torch.float64).index_add_(0, bins, counts[order])
+    wanted = torch.zeros(10, dtype=torch.float64).index_add_(0, bins, expected[order].double() * num_draws)
+    chi2 = float(((observed - wanted) ** 2 / wanted.clamp(min=1e-9)).sum())
+    assert chi2 < 30, (observed.tolist(), wanted.tolist())

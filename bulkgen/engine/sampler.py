@@ -10,9 +10,13 @@ is masked has nothing to sample: its grammar reached a dead end.
 Drawn rows follow transformers' warpers (temperature, then top-k, top-p, min-p) exactly, without sorting the
 vocabulary: the filters act on the row's best CANDIDATES logits (one top-k), and a row goes to the full-vocabulary
 path only where that cut cannot decide its kept set (no filter at all, or a set wider than the cut). Each row
-draws one uniform from its own torch.Generator, seeded from its request's seed, and takes the token where it
-falls in the row's cumulative kept weights (inverse CDF): a sampled request gives the same tokens whatever
-else shares its batch.
+draws its exponential noise from its own torch.Generator, seeded from its request's seed, and the token is the
+winner of the exponential race, argmax(weight / noise) over its kept candidates (an exact draw); over the
+whole vocabulary the race runs in two levels, blocks of BLOCK tokens first (a block's best time is
+exponential with the block's mass), then the tokens of the winning block. A sampled request gives the same
+tokens whatever else shares its batch: a race flips only on a near-tie, so the rounding by which a batch
+moves the logits changes a draw as rarely as it flips a greedy near-tie (an inverse CDF, tried first,
+moved its boundaries across whole runs of tail tokens and changed one token in a thousand).
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ NO_TOKEN = -2  # read back for a row whose every token was masked
 # sort it replaces; 256 holds the nucleus (top-p 0.95, T 0.8) of almost every real step.
 CANDIDATES = 256
 
-BLOCK = 1024  # the full-vocabulary path's inverse CDF: blocks first, then tokens within one block
+WIDE_CUT = 4096  # the full-vocabulary path's second cut for top-p, before a sort of the whole row
+BLOCK = 1024  # the full-vocabulary path's race: blocks first, then the tokens of one block
 BROKEN = "the model produced non-finite logits (NaN or +inf) for this request"
 DEAD_END = ("the JSON schema allows no next token here (its grammar reached a dead end): check that the schema "
             "can be completed")
@@ -182,7 +187,10 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: 
                          for p in params], dtype=np.float32)
     knobs = to_device(settings, device)
     temperature, top_k, min_p, top_p = (knobs[:, i:i + 1] for i in range(4))  # each [rows, 1]
-    uniform = torch.cat([torch.rand(1, generator=g, device=device) for g in generators])[:, None]  # [rows, 1]
+    num_blocks = -(-vocab // BLOCK)
+    # each row's noise, one call to its generator: the cut's candidates, then the blocks, then one block
+    noise = torch.stack([torch.empty(cut + num_blocks + BLOCK, device=device).exponential_(generator=g)
+                         for g in generators]).clamp_(min=1e-30)  # [rows, cut + num_blocks + BLOCK]
     best = logits.amax(dim=-1)  # NaN where a row holds one
     tokens = torch.empty(rows, dtype=torch.int64, device=device)
     # rows with no filter keep the whole vocabulary: no cut can decide them
@@ -194,7 +202,7 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: 
         sub = logits if index is None else logits[index]
         values, ids = sub.topk(cut, dim=-1)  # [n, cut], descending: the same order as logits / T
         values, ids = _ties_by_id(values, ids)
-        knobs_cut = [k if index is None else k[index] for k in (temperature, top_k, min_p, top_p, uniform)]
+        knobs_cut = [k if index is None else k[index] for k in (temperature, top_k, min_p, top_p, noise[:, :cut])]
         # top-p without top-k is relative to the whole row's mass: one pass for its normaliser (an upper
         # bound from the cut alone was too loose to decide three rows in four of SmolLM2's)
         z_rows = settings[cut_rows][:, 3] < 1.0
@@ -214,7 +222,7 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: 
         index = None if len(wide) == rows else to_device(wide, device)
         knob = (lambda t: t) if index is None else (lambda t: t[index])
         picked = _sample_full(logits if index is None else logits[index], knob(temperature), knob(top_k),
-                              knob(min_p), knob(top_p), knob(uniform), knob(best[:, None]), settings[wide])
+                              knob(min_p), knob(top_p), knob(noise[:, cut:]), knob(best[:, None]), settings[wide])
         if index is None:
             tokens = picked
         else:
@@ -231,7 +239,7 @@ def _ties_by_id(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, 
 
 
 def _sample_candidates(values: torch.Tensor, ids: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                       min_p: torch.Tensor, top_p: torch.Tensor, uniform: torch.Tensor, vocab: int,
+                       min_p: torch.Tensor, top_p: torch.Tensor, noise: torch.Tensor, vocab: int,
                        log_z: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Draws among each row's candidates ([rows, cut], descending), and whether the cut decided the row: its
     kept set lies inside the cut (a filter drops the last candidate, hence all beyond it), and top-p's
@@ -263,41 +271,63 @@ def _sample_candidates(values: torch.Tensor, ids: torch.Tensor, temperature: tor
     drops_last = (k_decided | (has_p & p_dropped[:, -1:]) | ((min_p > 0) & ~keep_m[:, -1:])
                   | (cut == vocab))
     decided = (drops_last & ~undecided_p.any(dim=-1, keepdim=True) & ~(k_within & ~k_decided))[:, 0]
-    cdf = (weights * keep).cumsum(dim=-1)
-    pick = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).clamp_(max=cut - 1)
-    return ids.gather(1, pick)[:, 0], decided
+    # the race in token order: each candidate's noise is the same whatever its rank, so near-equal logits
+    # that a batch's rounding swaps do not swap their draws
+    by_id = ids.argsort(dim=-1)
+    pick = ((weights * keep).gather(1, by_id) / noise).argmax(dim=-1, keepdim=True)
+    return ids.gather(1, by_id.gather(1, pick))[:, 0], decided
 
 
 def _sample_full(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, min_p: torch.Tensor,
-                 top_p: torch.Tensor, uniform: torch.Tensor, best: torch.Tensor, settings: np.ndarray) -> torch.Tensor:
-    """Rows over the whole vocabulary, in token order: weights relative to the best token (in place, three
-    passes), filters, then the inverse CDF in two levels (blocks of BLOCK tokens, then within the block
-    drawn) so that no cumulative sum runs over the whole vocabulary."""
+                 top_p: torch.Tensor, noise: torch.Tensor, best: torch.Tensor, settings: np.ndarray) -> torch.Tensor:
+    """Rows over the whole vocabulary: weights relative to the best token (in place, three passes), filters,
+    then the race in two levels (blocks of BLOCK tokens, then the tokens of the winning block), so that no
+    row draws noise for its whole vocabulary."""
     rows, vocab = logits.shape
     weights = logits.sub(best).div_(temperature).exp_()  # p / p_max
     if (settings[:, 1] > 0).any():
         k = int(settings[:, 1].max())
         kth = torch.topk(weights, k, dim=-1).values.gather(1, (top_k.long() - 1).clamp(min=0))
         weights.masked_fill_((weights < kth) & (top_k > 0), 0.0)
-    if (settings[:, 3] < 1.0).any():  # the nucleus of rows wider than the cut: sorted, as transformers does
-        sorted_w, order = weights.sort(dim=-1, descending=True, stable=True)
-        drop = sorted_w.cumsum(dim=-1) - sorted_w >= top_p * sorted_w.sum(dim=-1, keepdim=True)
-        weights = torch.zeros_like(weights).scatter_(1, order, sorted_w.masked_fill_(drop & (top_p < 1.0), 0.0))
+    if (settings[:, 3] < 1.0).any():
+        weights = _nucleus(weights, top_p)
     if (settings[:, 2] > 0).any():
         weights.masked_fill_(weights < min_p, 0.0)
     num_blocks = -(-vocab // BLOCK)
     if vocab % BLOCK:
         weights = torch.nn.functional.pad(weights, (0, num_blocks * BLOCK - vocab))
     blocks = weights.view(rows, num_blocks, BLOCK)
-    block_cdf = blocks.sum(dim=-1).cumsum(dim=-1)  # [rows, num_blocks]
-    target = uniform * block_cdf[:, -1:]
-    block = torch.searchsorted(block_cdf, target, right=True).clamp_(max=num_blocks - 1)  # [rows, 1]
-    before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)), 0.0)
-    inside = blocks.gather(1, block[:, :, None].expand(rows, 1, BLOCK))[:, 0].cumsum(dim=-1)  # [rows, BLOCK]
-    offset = torch.searchsorted(inside, target - before, right=True)
-    # where rounding puts the target past the block's last weight: its last token with weight
-    last = (inside < inside[:, -1:]).sum(dim=-1, keepdim=True)
-    return (block * BLOCK + torch.minimum(offset, last)).clamp_(max=vocab - 1)[:, 0]
+    # a block's fastest token finishes at an exponential time of the block's mass: race the blocks, then
+    # the winning block's tokens (noise: [rows, num_blocks + BLOCK])
+    block = (blocks.sum(dim=-1) / noise[:, :num_blocks]).argmax(dim=-1, keepdim=True)  # [rows, 1]
+    inside = blocks.gather(1, block[:, :, None].expand(rows, 1, BLOCK))[:, 0]  # [rows, BLOCK]
+    offset = (inside / noise[:, num_blocks:num_blocks + BLOCK]).argmax(dim=-1, keepdim=True)
+    return (block * BLOCK + offset).clamp_(max=vocab - 1)[:, 0]
+
+
+def _nucleus(weights: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Top-p over whole rows of weights, as transformers does (a token is kept while the mass of the better
+    ones is below top_p): decided within the best WIDE_CUT where that holds the nucleus (the whole mass is
+    known here), sorted whole only where it does not (a sort of SmolLM2's row cost ~2 ms)."""
+    rows, vocab = weights.shape
+    total = weights.sum(dim=-1, keepdim=True)
+    wide = min(WIDE_CUT, vocab)
+    best, order = weights.topk(wide, dim=-1)
+    best, order = _ties_by_id(best, order)
+    drop = best.cumsum(dim=-1) - best >= top_p * total
+    drop &= top_p < 1.0
+    kept = torch.zeros_like(weights).scatter_(1, order, best.masked_fill(drop, 0.0))
+    # rows whose nucleus reaches past the wide cut (or that have no top-p) keep their own weights here
+    whole = ~drop[:, -1] if wide < vocab else torch.zeros(rows, dtype=torch.bool, device=weights.device)
+    whole_rows = whole.nonzero()[:, 0].tolist()
+    for r in whole_rows:
+        if float(top_p[r]) >= 1.0:
+            kept[r] = weights[r]
+            continue
+        sorted_w, row_order = weights[r].sort(descending=True, stable=True)
+        row_drop = sorted_w.cumsum(dim=-1) - sorted_w >= top_p[r] * total[r]
+        kept[r] = torch.zeros_like(weights[r]).scatter_(0, row_order, sorted_w.masked_fill(row_drop, 0.0))
+    return kept
 
 
 def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
