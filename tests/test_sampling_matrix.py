@@ -20,6 +20,7 @@ import pytest
 from bulkgen.config import EngineConfig, SamplingParams
 from bulkgen.engine.engine import Engine
 from tests.helpers import invoke, invoke_json, write_parquet
+from tests.test_sampler import _run
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120},
@@ -48,15 +49,6 @@ PATHS = {"c": dict(kernels="c"), "torch": dict(kernels="torch", attention_backen
 def _prompts(n: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(100, 40000) for _ in range(rng.randint(3, 50))] for _ in range(n)]
-
-
-def _run(engine: Engine, requests: dict) -> dict:
-    for request_id, (prompt, params) in requests.items():
-        engine.add(request_id, prompt, params)
-    out = {}
-    while engine.has_unfinished():
-        out.update((o.request_id, o) for o in engine.step())
-    return out
 
 
 def _check(out, params: SamplingParams) -> None:
