@@ -142,3 +142,45 @@ def test_cancel_while_ray_workers_run_then_sigterm_drains(tmp_path: Path, tiny_m
     assert "stopped by SIGTERM" in err
     counts = invoke_json("status", other, "--db", db)["counts"]
     assert counts["running"] == 0 and 0 < counts["completed"] < num_rows  # drained: nothing left leased
+
+
+def test_bad_ray_flags_are_refused_before_anything_starts(tmp_path: Path, db_url: str, ray_address: str) -> None:
+    assert "--workers must be at least 1" in invoke("run", "--ray", "--workers", "0", expect=2).output
+    assert "go with --ray" in invoke("run", "--workers", "2", expect=2).output
+    result = invoke("run", "--ray", "--ray-address", ray_address, "--gpus-per-worker", "1", expect=2)
+    assert "GPUs; the Ray cluster has 0" in result.output
+    result = invoke("run", "--ray", "--ray-address", ray_address, "--workers", "9", expect=2)
+    assert "needs 9 CPUs; the Ray cluster has 4" in result.output
+    # Ray missing: a package named ray that fails to import, first on the path
+    (tmp_path / "noray" / "ray").mkdir(parents=True)
+    (tmp_path / "noray" / "ray" / "__init__.py").write_text("raise ImportError('no ray here')\n")
+    done = subprocess.run([sys.executable, "-m", "bulkgen", "run", "--ray", "--db", db_url], capture_output=True,
+                          text=True, env={**os.environ, "PYTHONPATH": str(tmp_path / "noray")})
+    assert done.returncode == 2 and "bulkgen[ray]" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_ray_data_stage_adds_exports_columns_equal_to_a_queue_run(tmp_path: Path, tiny_model_dir: Path,
+                                                                  db_url: str, ray_address: str) -> None:
+    """bulkgen.ray.generate over a Ray Dataset: export's output columns, the same greedy outputs as
+    submit + run + export of the same rows, and a bad row carrying its error while the rest go on."""
+    import pyarrow.parquet as pq
+
+    from bulkgen.ray import generate
+    from tests.helpers import write_parquet
+
+    prompts = ["alpha beta gamma", "", "river stone river", "delta " * 30, "stone"]
+    data = write_parquet(tmp_path / "in.parquet", {"prompt": prompts, "n": list(range(len(prompts)))})
+    job_id = invoke_json("submit", data, "--model", tiny_model_dir, "--max-new-tokens", 12)["job_id"]
+    invoke("run", "--kv-cache-memory", "16MiB", "--no-progress")
+    invoke("export", job_id, "-o", tmp_path / "queue.parquet")
+    queue = pq.read_table(tmp_path / "queue.parquet").to_pylist()
+
+    dataset = ray.data.from_items([{"prompt": p, "n": i} for i, p in enumerate(prompts)])
+    rows = generate(dataset, model=str(tiny_model_dir), sampling={"max_new_tokens": 12},
+                    engine={"kv_cache_memory": "16MiB"}, batch_size=2).take_all()
+    rows.sort(key=lambda r: r["n"])
+    assert [r["n"] for r in rows] == list(range(len(prompts)))
+    for got, want in zip(rows, queue, strict=True):
+        for column in ("output", "finish_reason", "num_prompt_tokens", "num_output_tokens", "error"):
+            assert got[column] == want[column], (column, got, want)
+    assert rows[1]["error"] == "prompt is empty" and rows[1]["output"] is None
