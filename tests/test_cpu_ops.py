@@ -1,4 +1,4 @@
-"""The C versions of RMSNorm (+ residual add), SiLU-and-multiply, RoPE, argmax and the linear layers
+"""The C versions of RMSNorm (+ residual add), SiLU-and-multiply, RoPE, argmax, the sampler's candidates and the linear layers
 against the torch code of Hugging Face's modules they replace, in every build (native, without
 AVX512-BF16, without AVX-512, x86-64 baseline)."""
 
@@ -75,6 +75,48 @@ def test_argmax_first_on_ties_and_nan_wins(build: str) -> None:
     assert got.tolist()[:3] == logits[:3].argmax(dim=-1).tolist() == [logits[0].argmax().item(), 7, 49151]
     assert got[3] == 123 and got[4] == 5
     assert torch.equal(ops.argmax(logits[:, :1000]), logits[:, :1000].argmax(dim=-1)), "strided rows"
+
+
+def _candidates_by_torch(logits: torch.Tensor, cut: int, inverse_t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The whole row sorted by value, ties by id (a stable sort): its first `cut`, and the normaliser."""
+    values, ids = (t[:, :cut] for t in logits.sort(dim=-1, descending=True, stable=True))
+    log_z = ((logits - values[:, :1]) * inverse_t).exp().sum(dim=-1, keepdim=True).log()
+    return values, ids, log_z
+
+
+@builds
+@pytest.mark.parametrize(("vocab", "cut"), [(49152, 256), (49152, 4096), (1001, 256), (100, 100)])
+def test_sampler_candidates_are_torchs_topk_by_value_then_id(build: str, vocab: int, cut: int) -> None:
+    """The sampler's one pass (csrc/sampling.c): each row's best `cut` logits and ids as a stable sort of the
+    whole row gives them (by value, ties by token id: torch's topk picks among ties at its edge), their order by id, the row's max and the log of
+    its normaliser at the row's temperature; masked rows (fewer finite logits than the cut), ties across
+    the cut's edge, rows a filter picks out (index), strided rows, vocabularies that are no multiple of a
+    vector, cuts wider than pass 1's groups; a row holding NaN or +inf, or only -inf, reports that max."""
+    ops = _ops(torch.float32, build)
+    gen = torch.Generator().manual_seed(vocab + cut)
+    logits = torch.randn(12, vocab + 3, generator=gen)[:, :vocab] * 3  # strided rows
+    logits[6, min(50, vocab - 1):] = float("-inf")  # a grammar's mask: fewer finite logits than the cut
+    logits[7] = 0.0  # all tied
+    logits[8] = logits[8].round()  # many ties at the cut's edge
+    logits[9, vocab // 2] = float("nan")
+    logits[10, 3] = float("inf")
+    logits[11] = float("-inf")
+    inverse_t = torch.rand(12, 1, generator=gen) + 0.5
+    want_z = torch.tensor([1, 0] * 6, dtype=torch.int32)
+    values, ids, best, log_z, by_id = ops.candidates(logits, None, inverse_t, want_z, cut)
+    good = list(range(9))
+    want_values, want_ids, want_log_z = _candidates_by_torch(logits[good], cut, inverse_t[good])
+    assert torch.equal(values[good], want_values) and torch.equal(ids[good], want_ids)
+    assert torch.equal(by_id[good], want_ids.argsort(dim=-1))
+    assert torch.equal(best[good], logits[good].amax(dim=-1))
+    asked = [r for r in good if want_z[r]]
+    torch.testing.assert_close(log_z[asked], want_log_z[asked], rtol=1e-5, atol=1e-5)
+    assert best[9].isnan() and best[10] == float("inf") and best[11] == float("-inf")
+    index = torch.tensor([8, 0, 6], dtype=torch.int64)
+    picked = ops.candidates(logits, index, inverse_t[index], want_z[index], cut)
+    for got, full in zip(picked, (values, ids, best, log_z, by_id), strict=True):
+        assert torch.equal(got, full[index]), "rows picked by index, as the same rows of the whole batch"
+    assert ops.candidates(logits.bfloat16(), None, inverse_t, want_z, cut) is None, "float32 only"
 
 
 @builds

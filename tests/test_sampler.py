@@ -10,7 +10,17 @@ import torch
 
 from bulkgen.config import EngineConfig, SamplingParams
 from bulkgen.engine.engine import Engine
+from bulkgen.engine.forward import Ops
 from bulkgen.engine.sampler import sample_row
+from tests.builds import kernel
+
+# the sampler's two ways through the vocabulary: torch's topk and sums, or the C kernels' one pass
+on_both_paths = pytest.mark.parametrize("candidates", ["torch", "c"], indirect=True)
+
+
+@pytest.fixture
+def candidates(request: pytest.FixtureRequest):
+    return None if request.param == "torch" else Ops(kernel(), torch.float32).candidates
 
 
 @pytest.fixture(scope="module")
@@ -174,9 +184,11 @@ SETTINGS = [
 ]
 
 
+@on_both_paths
 @pytest.mark.parametrize("params", SETTINGS, ids=lambda p: f"T{p.temperature}-k{p.top_k}-p{p.top_p}-m{p.min_p}")
 @pytest.mark.parametrize("scale", [1.0, 0.2], ids=["peaked", "flat"])
-def test_draws_follow_the_distribution_of_transformers_warpers(params: SamplingParams, scale: float) -> None:
+def test_draws_follow_the_distribution_of_transformers_warpers(params: SamplingParams, scale: float,
+                                                               candidates) -> None:
     """4,000 draws (one row each, its own generator) against transformers' probabilities: the same support
     exactly, and frequencies that pass a chi-square test (seeded: the verdict is the same every run)."""
     from bulkgen.engine.sampler import sample_rows
@@ -185,7 +197,7 @@ def test_draws_follow_the_distribution_of_transformers_warpers(params: SamplingP
     logits = _peaked(vocab, seed=7) * scale
     expected = _hf_probs(logits, params)
     generators = [torch.Generator().manual_seed(i) for i in range(num_draws)]
-    draws = sample_rows(logits.repeat(num_draws, 1), [params] * num_draws, generators)
+    draws = sample_rows(logits.repeat(num_draws, 1), [params] * num_draws, generators, candidates=candidates)
     counts = torch.bincount(draws, minlength=vocab).double()
     support = expected > 0
     assert not counts[~support].any(), "a token outside transformers' kept set was drawn"
@@ -204,29 +216,35 @@ def test_draws_follow_the_distribution_of_transformers_warpers(params: SamplingP
     assert p_value > 1e-4, (chi2, dof, p_value)
 
 
-def test_the_same_row_draws_the_same_token_whatever_its_batch() -> None:
+@on_both_paths
+def test_the_same_row_draws_the_same_token_whatever_its_batch(candidates) -> None:
     from bulkgen.engine.sampler import sample_rows
 
     logits = torch.stack([_peaked(2000, seed=s) * scale for s, scale in ((1, 1.0), (2, 0.1), (3, 1.0))])
     params = [SamplingParams(temperature=0.8, top_p=0.95), SamplingParams(temperature=1.0),
               SamplingParams(temperature=0.7, top_k=20)]
-    together = sample_rows(logits, params, [torch.Generator().manual_seed(5 + i) for i in range(3)]).tolist()
-    alone = [int(sample_rows(logits[i:i + 1], params[i:i + 1], [torch.Generator().manual_seed(5 + i)])[0])
-             for i in range(3)]
+    together = sample_rows(logits, params, [torch.Generator().manual_seed(5 + i) for i in range(3)],
+                           candidates=candidates).tolist()
+    alone = [int(sample_rows(logits[i:i + 1], params[i:i + 1], [torch.Generator().manual_seed(5 + i)],
+                             candidates=candidates)[0]) for i in range(3)]
     assert together == alone
 
 
-def test_low_temperature_approaches_greedy_and_top_k_one_is_greedy() -> None:
+@on_both_paths
+def test_low_temperature_approaches_greedy_and_top_k_one_is_greedy(candidates) -> None:
     from bulkgen.engine.sampler import sample_rows
 
     logits = _peaked(2000, seed=11)
     generators = [torch.Generator().manual_seed(i) for i in range(200)]
-    cold = sample_rows(logits.repeat(200, 1), [SamplingParams(temperature=1e-3)] * 200, generators)
-    top1 = sample_rows(logits.repeat(200, 1), [SamplingParams(temperature=5.0, top_k=1)] * 200, generators)
+    cold = sample_rows(logits.repeat(200, 1), [SamplingParams(temperature=1e-3)] * 200, generators,
+                       candidates=candidates)
+    top1 = sample_rows(logits.repeat(200, 1), [SamplingParams(temperature=5.0, top_k=1)] * 200, generators,
+                       candidates=candidates)
     assert set(cold.tolist()) == set(top1.tolist()) == {int(logits.argmax())}
 
 
-def test_masked_logits_are_not_a_broken_row_and_a_dead_end_says_so() -> None:
+@on_both_paths
+def test_masked_logits_are_not_a_broken_row_and_a_dead_end_says_so(candidates) -> None:
     """-inf is what masks write: a sampled row with most tokens masked samples among the rest; a row with
     every token masked fails as a dead end of its grammar; NaN or +inf fail as broken, greedy or drawn."""
     from bulkgen.engine.sampler import BROKEN, DEAD_END, sample
@@ -247,12 +265,13 @@ def test_masked_logits_are_not_a_broken_row_and_a_dead_end_says_so() -> None:
         seq.matcher = object() if seq.request_id in (2, 5) else None
         if not seq.params.is_greedy:
             seq.generator = torch.Generator().manual_seed(seq.request_id)
-    result = sample(logits, seqs, set())
+    result = sample(logits, seqs, set(), candidates=candidates)
     assert result.errors == [None, None, DEAD_END, BROKEN, BROKEN, DEAD_END]
     assert result.token_ids[0] < 10 and result.token_ids[1] == int(logits[1].argmax())
 
 
-def test_a_nucleus_wider_than_every_cut_is_sorted_whole_and_still_exact() -> None:
+@on_both_paths
+def test_a_nucleus_wider_than_every_cut_is_sorted_whole_and_still_exact(candidates) -> None:
     """A flat row of 9,000 tokens at top-p 0.99: wider than the 256 candidates and the 4,096 second cut."""
     from bulkgen.engine.sampler import WIDE_CUT, sample_rows
 
@@ -263,7 +282,7 @@ def test_a_nucleus_wider_than_every_cut_is_sorted_whole_and_still_exact() -> Non
     expected = _hf_probs(logits, params)
     assert int((expected > 0).sum()) > WIDE_CUT
     generators = [torch.Generator().manual_seed(i) for i in range(num_draws)]
-    draws = sample_rows(logits.repeat(num_draws, 1), [params] * num_draws, generators)
+    draws = sample_rows(logits.repeat(num_draws, 1), [params] * num_draws, generators, candidates=candidates)
     counts = torch.bincount(draws, minlength=vocab).double()
     assert not counts[expected == 0].any()
     # the kept mass, in 10 bins of falling probability, against transformers'

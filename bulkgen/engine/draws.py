@@ -5,6 +5,7 @@ says how). Pure functions over logits [rows, vocab] float32 on their device.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -15,6 +16,10 @@ from bulkgen.config import SamplingParams
 # The cut the filters act on first. A topk of 256 over SmolLM2's 49,152 logits costs about a tenth of the
 # sort it replaces; 256 holds the nucleus (top-p 0.95, T 0.8) of almost every real step.
 CANDIDATES = 256
+
+# forward.Ops.candidates: (logits, rows or None, 1 / T [n, 1], want_z [n], cut) -> (values, ids, best, log_z,
+# order by id) or None
+Candidates = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, int], tuple | None]
 
 WIDE_CUT = 4096  # the full-vocabulary path's second cut for top-p, before a sort of the whole row
 BLOCK = 1024  # the full-vocabulary path's race: blocks first, then the tokens of one block
@@ -29,51 +34,78 @@ def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
 
 
 def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-                with_best: bool = False) -> Any:
+                with_best: bool = False, candidates: Candidates | None = None) -> Any:
     """Temperature, then top-k, top-p and min-p as transformers' warpers apply them, then one draw per row
     from its generator. logits [rows, vocab] float32 (not modified); returns the drawn token ids [rows] (int64,
-    on the device), and with_best also each row's largest logit [rows]."""
+    on the device), and with_best also each row's largest logit [rows]. `candidates`: the C kernel's pass
+    over the vocabulary (forward.Ops.candidates), or None for torch's."""
     rows, vocab = logits.shape
     device = logits.device
-    cut = min(CANDIDATES, vocab)
     settings = np.array([[p.temperature, p.top_k if 0 < p.top_k < vocab else 0, p.min_p, p.top_p]
                          for p in params], dtype=np.float32)
     knobs = to_device(settings, device)
-    temperature, top_k, min_p, top_p = (knobs[:, i:i + 1] for i in range(4))  # each [rows, 1]
-    num_blocks = -(-vocab // BLOCK)
-    # each row's noise, one call to its generator: the cut's candidates, then the blocks, then one block
-    noise = torch.stack([torch.empty(cut + num_blocks + BLOCK, device=device).exponential_(generator=g)
-                         for g in generators]).clamp_(min=1e-30)  # [rows, cut + num_blocks + BLOCK]
-    best = logits.amax(dim=-1)  # NaN where a row holds one
     tokens = torch.empty(rows, dtype=torch.int64, device=device)
+    best = torch.empty(rows, dtype=logits.dtype, device=device)  # NaN where a row holds one
     # rows with no filter keep the whole vocabulary: no cut can decide them
     is_open = (settings[:, 1] == 0) & (settings[:, 2] == 0) & (settings[:, 3] >= 1.0)
-    wide = np.flatnonzero(is_open)
-    if not is_open.all():
-        cut_rows = np.flatnonzero(~is_open)
-        index = None if len(cut_rows) == rows else to_device(cut_rows, device)
-        sub = _rows(logits, index)
-        values, ids = sub.topk(cut, dim=-1)  # [n, cut], descending: the same order as logits / T
-        values, ids = _ties_by_id(values, ids)
-        knobs_cut = [_rows(k, index) for k in (temperature, top_k, min_p, top_p, noise[:, :cut])]
-        # top-p without top-k is relative to the whole row's mass: one pass for its normaliser (an upper
-        # bound from the cut alone was too loose to decide three rows in four of SmolLM2's)
-        z_rows = settings[cut_rows][:, 3] < 1.0
-        log_z = None
-        if z_rows.any():  # sum of exp((logits - best) / T): one fused multiply-add, exp in place, a sum
-            inverse_t = 1.0 / knobs_cut[0]
-            log_z = torch.addcmul(-values[:, :1] * inverse_t, sub, inverse_t).exp_().sum(dim=-1, keepdim=True).log_()
-        picked, decided = _sample_candidates(values, ids, *knobs_cut, vocab, log_z)
-        tokens = picked if index is None else tokens.index_copy_(0, index, picked)
-        if cut < vocab:
-            undecided = decided.logical_not().cpu().numpy()  # a read, on a step that samples
-            wide = np.union1d(wide, cut_rows[undecided])
+    pending = np.flatnonzero(~is_open)
+    for cut in sorted({min(CANDIDATES, vocab), min(WIDE_CUT, vocab)}):  # the cut, then a wider one
+        if not len(pending):
+            break
+        index = None if len(pending) == rows else to_device(pending, device)
+        picked, row_best, decided = _cut_stage(logits, index, cut, settings[pending], _rows(knobs, index),
+                                               [generators[i] for i in pending], candidates)
+        for out, value in ((tokens, picked), (best, row_best)):
+            out.copy_(value) if index is None else out.index_copy_(0, index, value)
+        if cut == vocab:
+            break
+        pending = pending[~decided.cpu().numpy()]  # a read, on a step that samples
+    wide = np.union1d(np.flatnonzero(is_open), pending)
     if len(wide):
         index = None if len(wide) == rows else to_device(wide, device)
-        picked = _sample_full(*(_rows(t, index) for t in (logits, temperature, top_k, min_p, top_p, noise[:, cut:],
-                                                          best[:, None])), settings[wide])
-        tokens = picked if index is None else tokens.index_copy_(0, index, picked)
+        sub = _rows(logits, index)
+        row_best = sub.amax(dim=-1)
+        noise = _noise([generators[i] for i in wide], -(-vocab // BLOCK) + BLOCK, device)
+        picked = _sample_full(sub, *_rows(knobs, index).split(1, dim=1), row_best[:, None], noise, settings[wide])
+        for out, value in ((tokens, picked), (best, row_best)):
+            out.copy_(value) if index is None else out.index_copy_(0, index, value)
     return (tokens, best) if with_best else tokens
+
+
+def _cut_stage(logits: torch.Tensor, index: torch.Tensor | None, cut: int, settings: np.ndarray,
+               knobs: torch.Tensor, generators: list[torch.Generator | None],
+               candidates: Candidates | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows `index` (None: all) drawn among their best `cut` logits: (tokens, largest logits, decided), where
+    decided says which rows the cut held (the others are drawn again, wider)."""
+    temperature, top_k, min_p, top_p = knobs.split(1, dim=1)  # each [n, 1]
+    # top-p without top-k is relative to the whole row's mass: its normaliser, from one pass (an upper
+    # bound from the cut alone was too loose to decide three rows in four of SmolLM2's)
+    z_rows = (settings[:, 3] < 1.0) & (settings[:, 1] == 0)
+    inverse_t = 1.0 / temperature
+    found = None if candidates is None else candidates(
+        logits, index, inverse_t, to_device(z_rows.astype(np.int32), logits.device), cut)
+    if found is not None:
+        values, ids, best, log_z, by_id = found
+    else:
+        sub = _rows(logits, index)
+        values, ids = _ties_by_id(*sub.topk(cut, dim=-1))  # [n, cut], descending: as logits / T
+        best, log_z, by_id = values[:, 0], None, None
+        if z_rows.any():  # sum of exp((logits - best) / T): one fused multiply-add, exp in place, a sum
+            log_z = torch.addcmul(-values[:, :1] * inverse_t, sub, inverse_t).exp_().sum(dim=-1, keepdim=True).log_()
+    if not z_rows.any():
+        log_z = None
+    noise = _noise(generators, cut, logits.device)
+    picked, decided = _sample_candidates(values, ids, temperature, top_k, min_p, top_p, noise,
+                                         logits.shape[1], log_z, by_id)
+    return picked, best, decided
+
+
+def _noise(generators: list[torch.Generator | None], size: int, device: torch.device) -> torch.Tensor:
+    """Exponential noise [rows, size], each row from its own generator: a row draws `size` for its cut's
+    candidates, and again for the whole vocabulary only where the cut did not decide it (which depends on
+    its logits alone, so a row's stream is the same whatever its batch)."""
+    return torch.stack([torch.empty(size, device=device).exponential_(generator=g)
+                        for g in generators]).clamp_(min=1e-30)
 
 
 def _rows(tensor: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
@@ -91,12 +123,13 @@ def _ties_by_id(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, 
 
 def _sample_candidates(values: torch.Tensor, ids: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                        min_p: torch.Tensor, top_p: torch.Tensor, noise: torch.Tensor, vocab: int,
-                       log_z: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       log_z: torch.Tensor | None = None,
+                       by_id: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Draws among each row's candidates ([rows, cut], descending), and whether the cut decided the row: its
     kept set lies inside the cut (a filter drops the last candidate, hence all beyond it), and top-p's
     normaliser is known (log_z: the row's, relative to its best; or the top-k set's inside the cut) or
     bounded tightly enough that no candidate's fate depends on it (the rest of the set is at most
-    (set size - cut) x the last candidate's weight)."""
+    (set size - cut) x the last candidate's weight). by_id: the candidates' order by token id, if known."""
     rows, cut = values.shape
     x = (values - values[:, :1]) / temperature  # log-weights against the best candidate (x[:, 0] = 0)
     has_k = top_k > 0
@@ -124,13 +157,13 @@ def _sample_candidates(values: torch.Tensor, ids: torch.Tensor, temperature: tor
     decided = (drops_last & ~undecided_p.any(dim=-1, keepdim=True) & ~(k_within & ~k_decided))[:, 0]
     # the race in token order: each candidate's noise is the same whatever its rank, so near-equal logits
     # that a batch's rounding swaps do not swap their draws
-    by_id = ids.argsort(dim=-1)
+    by_id = ids.argsort(dim=-1) if by_id is None else by_id
     pick = ((weights * keep).gather(1, by_id) / noise).argmax(dim=-1, keepdim=True)
     return ids.gather(1, by_id.gather(1, pick))[:, 0], decided
 
 
 def _sample_full(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, min_p: torch.Tensor,
-                 top_p: torch.Tensor, noise: torch.Tensor, best: torch.Tensor, settings: np.ndarray) -> torch.Tensor:
+                 top_p: torch.Tensor, best: torch.Tensor, noise: torch.Tensor, settings: np.ndarray) -> torch.Tensor:
     """Rows over the whole vocabulary: weights relative to the best token (in place, three passes), filters,
     then the race in two levels (blocks of BLOCK tokens, then the tokens of the winning block), so that no
     row draws noise for its whole vocabulary."""

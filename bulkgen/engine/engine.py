@@ -193,7 +193,8 @@ class Engine:
             num_decodes += s.num_new_tokens == 1
             if s.seq.num_output_tokens == 0 or s.num_new_tokens > 1:
                 self.stats.num_prompt_tokens_computed += s.num_new_tokens
-        result = sampler.sample(logits, sampled_seqs, self.eos_token_ids, self.runner.ops.argmax)
+        result = sampler.sample(logits, sampled_seqs, self.eos_token_ids, self.runner.ops.argmax,
+                                self.runner.ops.candidates)
         finished = []
         for i, seq in enumerate(sampled_seqs):
             if result.errors[i] is not None:

@@ -158,8 +158,8 @@ def fused(*linears: torch.nn.Linear, pack: bool, kernel: Kernels | None = None) 
 
 
 class Ops:
-    """RMSNorm (with the residual add before it), SiLU-and-multiply and argmax: our C kernels on CPU
-    for float32 and bfloat16, otherwise the torch code of Hugging Face's modules."""
+    """RMSNorm (with the residual add before it), SiLU-and-multiply, argmax and the sampler's candidates:
+    our C kernels on CPU for float32 and bfloat16, otherwise the torch code of Hugging Face's modules."""
 
     def __init__(self, kernel: Kernels | None, dtype: torch.dtype) -> None:
         self.kernel = kernel if dtype in DTYPE_CODES else None  # for norms and activations in the model's dtype
@@ -211,6 +211,29 @@ class Ops:
                                            num_threads=torch.get_num_threads())
             return out
         return logits.argmax(dim=-1)
+
+    def candidates(self, logits: torch.Tensor, index: torch.Tensor | None, inverse_t: torch.Tensor,
+                   want_z: torch.Tensor | None, cut: int) -> tuple[torch.Tensor, ...] | None:
+        """The sampler's pass over the vocabulary (csrc/sampling.c) for rows `index` of float32 logits (None:
+        all): their `cut` best logits and ids [n, cut] (by value, ties by id), their largest logit [n], the
+        log of their normaliser at temperature 1 / inverse_t [n, 1] (where want_z, int32 [n], is nonzero) and
+        the candidates' places in order of token id [n, cut].
+        None where the C kernel does not apply (the sampler does it in torch)."""
+        if self.argmax_kernel is None or logits.dtype != torch.float32 or logits.device.type != "cpu" \
+                or logits.stride(-1) != 1:
+            return None
+        rows = logits.shape[0] if index is None else index.shape[0]
+        values = torch.empty(rows, cut)
+        ids, by_id = torch.empty(rows, cut, dtype=torch.int64), torch.empty(rows, cut, dtype=torch.int64)
+        best, log_z = torch.empty(rows), torch.empty(rows, 1)
+        inverse_t = inverse_t.contiguous()
+        self.argmax_kernel.row_candidates(
+            x=logits.data_ptr(), rows=rows, cols=logits.shape[1], row_stride=logits.stride(0),
+            rows_index=None if index is None else index.data_ptr(), inv_t=inverse_t.data_ptr(),
+            want_z=None if want_z is None else want_z.data_ptr(), cut=cut, values=values.data_ptr(),
+            ids=ids.data_ptr(), by_id=by_id.data_ptr(), best=best.data_ptr(), log_z=log_z.data_ptr(),
+            num_threads=torch.get_num_threads())
+        return values, ids, best, log_z, by_id
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""Our C kernels for the CPU (paged attention, the KV write, fused RMSNorm, SiLU-mul, RoPE, argmax and
-the linear layers): compiled once per machine with -march=native, loaded with ctypes.
+"""Our C kernels for the CPU (paged attention, the KV write, fused RMSNorm, SiLU-mul, RoPE, argmax, the
+sampler's candidates and the linear layers): compiled once per machine with -march=native, loaded with ctypes.
 
 It needs only a C compiler with OpenMP (gcc), no torch headers, so it builds in about a second. The
 library is cached under a key of its sources, its flags and this CPU's flags, so a kernel built for one
@@ -28,7 +28,7 @@ from bulkgen.engine.cpu import cpu_flags_line
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("paged_attention.c", "ops.c", "gemm.c")
+SOURCES = ("paged_attention.c", "ops.c", "gemm.c", "sampling.c")
 HEADERS = ("vec.h",)
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 NO_KERNEL_ENV = "BULKGEN_NO_KERNEL"
@@ -62,6 +62,8 @@ SIGNATURES: dict[str, tuple[type | None, str]] = {
     "rms_norm": (None, "x:p residual:p weight:p out:p rows:i64 cols:i64 eps:f dtype:i num_threads:i"),
     "silu_mul": (None, "gate_up:p out:p rows:i64 cols:i64 dtype:i num_threads:i"),
     "argmax_rows": (None, "x:p rows:i64 cols:i64 row_stride:i64 out:p num_threads:i"),
+    "row_candidates": (None, "x:p rows:i64 cols:i64 row_stride:i64 rows_index:p inv_t:p want_z:p cut:i values:p "
+                             "ids:p by_id:p best:p log_z:p num_threads:i"),
     "rope": (None, "x:p rows:i64 row_stride:i64 num_heads:i head_dim:i cos:p sin:p dtype:i num_threads:i"),
     "pack_linear_f32": (None, _PACK), "pack_linear_bf16": (None, _PACK),
     "linear_f32": (None, _LINEAR), "linear_bf16": (None, _LINEAR),

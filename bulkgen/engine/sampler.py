@@ -8,8 +8,8 @@ largest logit tells); -inf is what masks write (a grammar, ignore_eos), never a 
 is masked has nothing to sample: its grammar reached a dead end.
 
 Drawn rows follow transformers' warpers (temperature, then top-k, top-p, min-p) exactly, without sorting the
-vocabulary: the filters act on the row's best CANDIDATES logits (one top-k), and a row goes to the full-vocabulary
-path only where that cut cannot decide its kept set (no filter at all, or a set wider than the cut). Each row
+vocabulary: the filters act on the row's best CANDIDATES logits (one top-k; on a CPU, our C kernel's one pass that
+also gives top-p its normaliser), and a row goes to the full-vocabulary path only where that cut cannot decide its kept set (no filter at all, or a set wider than the cut). Each row
 draws its exponential noise from its own torch.Generator, seeded from its request's seed, and the token is the
 winner of the exponential race, argmax(weight / noise) over its kept candidates (an exact draw); over the
 whole vocabulary the race runs in two levels, blocks of BLOCK tokens first (a block's best time is
@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from bulkgen.config import SamplingParams
-from bulkgen.engine.draws import CANDIDATES, WIDE_CUT, sample_rows, to_device
+from bulkgen.engine.draws import CANDIDATES, WIDE_CUT, Candidates, sample_rows, to_device
 from bulkgen.engine.sequence import Sequence
 
 __all__ = ["CANDIDATES", "WIDE_CUT", "sample", "sample_row", "sample_rows", "to_device"]
@@ -51,9 +51,11 @@ class SampleResult:
 
 @torch.inference_mode()
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Collection[int],
-           argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> SampleResult:
+           argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
+           candidates: Candidates | None = None) -> SampleResult:
     """Choose each row's next token. `logits` may be modified in place (masks, penalties) unless a row
-    needs them raw (log-probabilities). `argmax` is row-wise over float32 (torch's by default)."""
+    needs them raw (log-probabilities). `argmax` is row-wise over float32 (torch's by default);
+    `candidates` the C kernels' pass of sampled rows over the vocabulary (forward.Ops; None: torch's)."""
     num_rows = logits.shape[0]
     if num_rows == 0:
         return SampleResult([], [], [])
@@ -77,7 +79,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Collection
         apply_output_penalties(processed, counted, [seqs[i].output_token_ids for i in counted],
                                [seqs[i].params.frequency_penalty for i in counted],
                                [seqs[i].params.presence_penalty for i in counted])
-    tokens, best = _choose(processed, seqs, argmax or (lambda x: x.argmax(dim=-1)))
+    tokens, best = _choose(processed, seqs, argmax or (lambda x: x.argmax(dim=-1)), candidates)
     codes = torch.where(torch.isnan(best) | (best == float("inf")), NOT_FINITE,
                         torch.where(best == float("-inf"), NO_TOKEN, tokens))
     chosen = codes.tolist()  # the step's one read
@@ -92,8 +94,8 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Collection
     return SampleResult([max(t, 0) for t in chosen], errors, logprobs)
 
 
-def _choose(processed: torch.Tensor, seqs: list[Sequence],
-            argmax: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def _choose(processed: torch.Tensor, seqs: list[Sequence], argmax: Callable[[torch.Tensor], torch.Tensor],
+            candidates: Candidates | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's token [rows] (int64) and its largest processed logit [rows] (NaN if the row holds one)."""
     device = processed.device
     drawn = [i for i, s in enumerate(seqs) if not s.params.is_greedy]
@@ -101,14 +103,14 @@ def _choose(processed: torch.Tensor, seqs: list[Sequence],
         tokens = argmax(processed).to(device)
         return tokens, processed.gather(1, tokens[:, None])[:, 0]
     if len(drawn) == len(seqs):
-        return sample_rows(processed, [s.params for s in seqs], [s.generator for s in seqs], with_best=True)
+        return sample_rows(processed, [s.params for s in seqs], [s.generator for s in seqs], True, candidates)
     greedy = [i for i, s in enumerate(seqs) if s.params.is_greedy]
     tokens = torch.empty(len(seqs), dtype=torch.int64, device=device)
     best = torch.empty(len(seqs), dtype=processed.dtype, device=device)
     for rows, (row_tokens, row_best) in (
             (greedy, _choose(processed[to_device(np.array(greedy), device)], [seqs[i] for i in greedy], argmax)),
             (drawn, sample_rows(processed[to_device(np.array(drawn), device)], [seqs[i].params for i in drawn],
-                                [seqs[i].generator for i in drawn], with_best=True))):
+                                [seqs[i].generator for i in drawn], True, candidates))):
         index = to_device(np.array(rows, dtype=np.int64), device)
         tokens[index], best[index] = row_tokens, row_best
     return tokens, best

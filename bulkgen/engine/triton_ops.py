@@ -117,3 +117,7 @@ class TritonOps:
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         return logits.argmax(dim=-1)
+
+    def candidates(self, logits: torch.Tensor, index: torch.Tensor | None, inverse_t: torch.Tensor,
+                   want_z: torch.Tensor | None, cut: int) -> None:
+        return None  # the sampler's torch ops run on the GPU as they are
