@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from bulkgen.engine.forward import GatedLinear, Linear, Ops, fused, onednn_takes, rms_norm_torch, rotate
+from bulkgen.engine.grammar import mask_logits
 from tests.builds import HAS_AVX512_BF16, builds, kernel
 
 # float32: a K=576 reduction summed in another order differs by a few ulps of its largest terms (~1e-6)
@@ -117,6 +118,23 @@ def test_sampler_candidates_are_torchs_topk_by_value_then_id(build: str, vocab: 
     for got, full in zip(picked, (values, ids, best, log_z, by_id), strict=True):
         assert torch.equal(got, full[index]), "rows picked by index, as the same rows of the whole batch"
     assert ops.candidates(logits.bfloat16(), None, inverse_t, want_z, cut) is None, "float32 only"
+
+
+@builds
+@pytest.mark.parametrize(("vocab", "words"), [(49152, 1536), (1001, 32), (1001, 30)])
+@pytest.mark.parametrize("rows", [[0, 1, 2, 3, 4], [4, 1]])
+def test_grammar_masks_in_place_as_the_unpacked_bitmask(build: str, vocab: int, words: int, rows: list[int]) -> None:
+    """A grammar's bitmask applied by the C kernel gives the logits the numpy-unpacking path gives: refused
+    tokens -inf, the rest untouched, for every row or some rows, and tokens past the mask's words refused."""
+    gen = torch.Generator().manual_seed(vocab + words + len(rows))
+    logits = torch.randn(5, vocab, generator=gen)
+    mask = torch.randint(-2**31, 2**31 - 1, (len(rows), words), generator=gen, dtype=torch.int32)
+    mask[0, :3] = -1  # all allowed
+    mask[-1, 3:6] = 0  # all refused
+    want = logits.clone()
+    mask_logits(want, rows, mask)
+    assert _ops(torch.float32, build).mask_tokens(logits, rows, mask)
+    assert torch.equal(logits, want)
 
 
 @builds

@@ -160,7 +160,7 @@ class Engine:
             masks = self.grammars.start_masks([seq.matcher for seq in constrained])
         if masks is not None:
             row = {id(seq): i for i, seq in enumerate(sampled_seqs)}
-            self.grammars.apply(masks, logits, [row[id(seq)] for seq in constrained])
+            self.grammars.apply(masks, logits, [row[id(seq)] for seq in constrained], self.runner.ops.mask_tokens)
         return self._postprocess(scheduled, logits, sampled_seqs)
 
     @property

@@ -158,7 +158,8 @@ def fused(*linears: torch.nn.Linear, pack: bool, kernel: Kernels | None = None) 
 
 
 class Ops:
-    """RMSNorm (with the residual add before it), SiLU-and-multiply, argmax and the sampler's candidates:
+    """RMSNorm (with the residual add before it), SiLU-and-multiply, argmax, the sampler's candidates and
+    grammar masks:
     our C kernels on CPU for float32 and bfloat16, otherwise the torch code of Hugging Face's modules."""
 
     def __init__(self, kernel: Kernels | None, dtype: torch.dtype) -> None:
@@ -234,6 +235,19 @@ class Ops:
             ids=ids.data_ptr(), by_id=by_id.data_ptr(), best=best.data_ptr(), log_z=log_z.data_ptr(),
             num_threads=torch.get_num_threads())
         return values, ids, best, log_z, by_id
+
+    def mask_tokens(self, logits: torch.Tensor, rows: list[int], mask: torch.Tensor) -> bool:
+        """-inf in place for the tokens a grammar's bitmask refuses (mask [len(rows), words] int32, as
+        llguidance fills it) in these rows of float32 logits; False where the C kernel does not apply."""
+        if self.argmax_kernel is None or logits.dtype != torch.float32 or logits.device.type != "cpu" \
+                or logits.stride(-1) != 1 or not mask.is_contiguous() or mask.dtype != torch.int32:
+            return False
+        index = None if rows == list(range(logits.shape[0])) else torch.tensor(rows, dtype=torch.int64)
+        self.argmax_kernel.mask_tokens(
+            x=logits.data_ptr(), rows=len(rows), cols=logits.shape[1], row_stride=logits.stride(0),
+            rows_index=None if index is None else index.data_ptr(), mask=mask.data_ptr(), words=mask.shape[1],
+            num_threads=torch.get_num_threads())
+        return True
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -8,6 +8,7 @@ fed to its matcher, and a sequence whose grammar is complete stops. Unconstraine
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -73,26 +74,35 @@ class Grammars:
         return self.pool.submit(_fill, self._ll, self.executor, matchers, mask)
 
     @torch.inference_mode()
-    def apply(self, masks: Future, logits: torch.Tensor, rows: list[int]) -> None:
-        """Mask the rows' disallowed tokens to -inf (logits [num_sampled, vocab], in place)."""
+    def apply(self, masks: Future, logits: torch.Tensor, rows: list[int],
+              kernel: Callable[[torch.Tensor, list[int], torch.Tensor], bool] | None = None) -> None:
+        """Mask the rows' disallowed tokens to -inf (logits [num_sampled, vocab], in place); `kernel`: the C
+        kernels' (forward.Ops.mask_tokens), where it applies."""
         mask = masks.result()
-        vocab = logits.shape[1]
-        # the bitmask unpacked (llguidance's torch helper took 20x longer on a CPU here): by numpy on a CPU, in
-        # a few tensor ops on the device elsewhere
-        if logits.device.type == "cpu":
-            bits = np.unpackbits(mask.numpy().view(np.uint8), axis=1, bitorder="little")
-            allowed = torch.from_numpy(bits[:, :vocab].view(np.bool_))
-        else:
-            mask = mask.pin_memory().to(logits.device, non_blocking=True)
-            allowed = ((mask[:, :, None] >> _SHIFTS.to(mask.device)) & 1).view(len(rows), -1)[:, :vocab].bool()
-        if allowed.shape[1] < vocab:  # ids past the tokenizer's: never allowed
-            allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
-        refused = ~allowed
-        if rows == list(range(logits.shape[0])):
-            logits.masked_fill_(refused, float("-inf"))
-        else:  # row by row, in place (gathering and scattering the rows copied the logits twice)
-            for i, row in enumerate(rows):
-                logits[row].masked_fill_(refused[i], float("-inf"))
+        if kernel is None or not kernel(logits, rows, mask):
+            mask_logits(logits, rows, mask)
+
+
+def mask_logits(logits: torch.Tensor, rows: list[int], mask: torch.Tensor) -> None:
+    """-inf in place for the tokens that bitmask rows ([len(rows), words] int32, bit j of word w allows
+    token 32 w + j) refuse in these rows of logits [num_sampled, vocab]."""
+    vocab = logits.shape[1]
+    # the bitmask unpacked (llguidance's torch helper took 20x longer on a CPU here): by numpy on a CPU, in
+    # a few tensor ops on the device elsewhere
+    if logits.device.type == "cpu":
+        bits = np.unpackbits(mask.numpy().view(np.uint8), axis=1, bitorder="little")
+        allowed = torch.from_numpy(bits[:, :vocab].view(np.bool_))
+    else:
+        mask = mask.pin_memory().to(logits.device, non_blocking=True)
+        allowed = ((mask[:, :, None] >> _SHIFTS.to(mask.device)) & 1).view(len(rows), -1)[:, :vocab].bool()
+    if allowed.shape[1] < vocab:  # ids past the tokenizer's: never allowed
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+    refused = ~allowed
+    if rows == list(range(logits.shape[0])):
+        logits.masked_fill_(refused, float("-inf"))
+    else:  # row by row, in place (gathering and scattering the rows copied the logits twice)
+        for i, row in enumerate(rows):
+            logits[row].masked_fill_(refused[i], float("-inf"))
 
 
 def _fill(llguidance: Any, executor: Any, matchers: list[Any], mask: torch.Tensor) -> torch.Tensor:

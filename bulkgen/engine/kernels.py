@@ -1,5 +1,5 @@
 """Our C kernels for the CPU (paged attention, the KV write, fused RMSNorm, SiLU-mul, RoPE, argmax, the
-sampler's candidates and the linear layers): compiled once per machine with -march=native, loaded with ctypes.
+sampler's candidates, grammar masks and the linear layers): compiled once per machine with -march=native, loaded with ctypes.
 
 It needs only a C compiler with OpenMP (gcc), no torch headers, so it builds in about a second. The
 library is cached under a key of its sources, its flags and this CPU's flags, so a kernel built for one
@@ -64,6 +64,7 @@ SIGNATURES: dict[str, tuple[type | None, str]] = {
     "argmax_rows": (None, "x:p rows:i64 cols:i64 row_stride:i64 out:p num_threads:i"),
     "row_candidates": (None, "x:p rows:i64 cols:i64 row_stride:i64 rows_index:p inv_t:p want_z:p cut:i values:p "
                              "ids:p by_id:p best:p log_z:p num_threads:i"),
+    "mask_tokens": (None, "x:p rows:i64 cols:i64 row_stride:i64 rows_index:p mask:p words:i64 num_threads:i"),
     "rope": (None, "x:p rows:i64 row_stride:i64 num_heads:i head_dim:i cos:p sin:p dtype:i num_threads:i"),
     "pack_linear_f32": (None, _PACK), "pack_linear_bf16": (None, _PACK),
     "linear_f32": (None, _LINEAR), "linear_bf16": (None, _LINEAR),

@@ -121,3 +121,6 @@ class TritonOps:
     def candidates(self, logits: torch.Tensor, index: torch.Tensor | None, inverse_t: torch.Tensor,
                    want_z: torch.Tensor | None, cut: int) -> None:
         return None  # the sampler's torch ops run on the GPU as they are
+
+    def mask_tokens(self, logits: torch.Tensor, rows: list[int], mask: torch.Tensor) -> bool:
+        return False  # the grammar's own unpacking, on the device

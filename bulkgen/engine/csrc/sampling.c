@@ -241,3 +241,23 @@ void row_candidates(const float *x, int64_t rows, int64_t cols, int64_t row_stri
         free(buffer);
     }
 }
+
+/* A grammar's masks applied in place: row rows_index[i] (NULL: i) of x, `cols` logits `row_stride` floats
+ * apart, keeps the tokens that bitmask row i allows (`words` int32 words a row, bit j of word w allows
+ * token 32 w + j, as llguidance writes them) and gets -inf for the others; tokens past the mask's words
+ * are refused. One pass over the allowed bits, instead of unpacking them to a boolean tensor. */
+void mask_tokens(float *x, int64_t rows, int64_t cols, int64_t row_stride, const int64_t *rows_index,
+                 const int32_t *mask, int64_t words, int num_threads) {
+    #pragma omp parallel for num_threads(num_threads) schedule(static) if (rows > 1)
+    for (int64_t r = 0; r < rows; r++) {
+        float *xr = x + (rows_index ? rows_index[r] : r) * row_stride;
+        const uint32_t *bits = (const uint32_t *)mask + r * words;
+        for (int64_t w = 0; w * 32 < cols; w++) {
+            const uint32_t allowed = w < words ? bits[w] : 0u;
+            if (allowed == 0xffffffffu) continue;
+            const int64_t base = w * 32, n = cols - base < 32 ? cols - base : 32;
+            for (int64_t j = 0; j < n; j++)
+                if (!((allowed >> j) & 1u)) xr[base + j] = -INFINITY;
+        }
+    }
+}
