@@ -257,7 +257,7 @@ def engine_options(func: Callable) -> Callable:
                                              "Triton kernels (a GPU's default; on a CPU only in Triton's interpreter)."),
         click.option("--kernels", default=default.kernels, envvar="BULKGEN_KERNELS", show_default=True, metavar="SPEC",
                      help="CPU path of each kernel family (linear, gated_mlp, decode_attention, prefill_attention, "
-                          "small_ops): auto (the faster, measured once on this machine), c, torch, or pairs such "
+                          "small_ops, sampler): auto (the faster, measured once on this machine), c, torch, or pairs such "
                           "as linear=torch,attention=c. Also read from BULKGEN_KERNELS."),
         click.option("--num-threads", type=int, help="CPU threads for torch (default: all cores)."),
         click.option("--prefix-caching/--no-prefix-caching", default=default.enable_prefix_caching, show_default=True,

@@ -17,7 +17,7 @@ TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rto
 
 
 def _ops(dtype: torch.dtype, build: str = "native") -> Ops:
-    return Ops(kernel(build), dtype)
+    return Ops(kernel(build), dtype, sampler=kernel(build))
 
 
 @builds

@@ -82,7 +82,7 @@ def test_greedy_equals_hf_generate(models, family: str, setting: str, path: str,
     engine = Engine(model_dir, config)
     assert (engine.runner.forward is not None) == lean
     c_families = {name for name, p in engine.runner.paths.families.items() if p.use_c}
-    assert c_families == ({"decode_attention", "prefill_attention", "small_ops"} | ({"linear", "gated_mlp"} if lean
+    assert c_families == ({"decode_attention", "prefill_attention", "small_ops", "sampler"} | ({"linear", "gated_mlp"} if lean
                           else set()) if kernels == "c" else set()), engine.runner.paths.lines()
     # Shortest first under a tight cache: many sequences are admitted together, then all grow.
     order = sorted(range(len(WORKLOAD)), key=lambda i: len(WORKLOAD[i][0])) if setting == "tight-kv" \

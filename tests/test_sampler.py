@@ -20,7 +20,7 @@ on_both_paths = pytest.mark.parametrize("candidates", ["torch", "c"], indirect=T
 
 @pytest.fixture
 def candidates(request: pytest.FixtureRequest):
-    return None if request.param == "torch" else Ops(kernel(), torch.float32).candidates
+    return None if request.param == "torch" else Ops(None, torch.float32, sampler=kernel()).candidates
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ the choice is made where the engine runs, family by family, in this order:
    with AVX512-BF16, the linear families only where the lean Llama forward runs;
 3. a race of both paths on the model's own shapes: one layer's linear layers (output columns capped to
    bound the work) at a decode-sized and a prefill-sized batch, paged attention over a random cache, the
-   small ops. A few hundred milliseconds, once per machine, model shape, dtype and thread count: the
+   small ops, the sampler's draws over the vocabulary. A few hundred milliseconds, once per machine, model shape, dtype and thread count: the
    result is cached as JSON beside the compiled kernels. The faster path runs; a tie goes to C (its
    linear layers give each row the same bits whatever the batch).
 
@@ -30,9 +30,10 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from bulkgen.config import KERNEL_FAMILIES, EngineConfig, Paths
+from bulkgen.config import KERNEL_FAMILIES, EngineConfig, Paths, SamplingParams
 from bulkgen.engine import attention, forward
 from bulkgen.engine.cpu import describe_cpu, torch_capability
+from bulkgen.engine.draws import Candidates, sample_rows
 from bulkgen.engine.kernels import Kernels
 from bulkgen.errors import ConfigError
 
@@ -55,6 +56,7 @@ class ModelShape:
     head_dim: int
     block_size: int
     lean: bool  # the lean Llama forward runs (the linear families exist)
+    vocab: int = 32000  # the sampler's rows
 
 
 def model_shape(model: torch.nn.Module, config: EngineConfig) -> ModelShape:
@@ -64,7 +66,8 @@ def model_shape(model: torch.nn.Module, config: EngineConfig) -> ModelShape:
     return ModelShape(hidden=hidden, intermediate=getattr(hf, "intermediate_size", None) or 4 * hidden,
                       num_heads=num_heads, num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
                       head_dim=getattr(hf, "head_dim", None) or hidden // num_heads, block_size=config.block_size,
-                      lean=config.fast_forward and forward.unsupported_reason(model) is None)
+                      lean=config.fast_forward and forward.unsupported_reason(model) is None,
+                      vocab=model.get_output_embeddings().weight.shape[0])
 
 
 @dataclass(frozen=True)
@@ -134,6 +137,8 @@ def describe_machine(dtype: torch.dtype) -> str:
 
 
 def _why_not_c(kernel: Kernels, family: str, dtype: torch.dtype, shape: ModelShape) -> str | None:
+    if family == "sampler":
+        return None  # it reads float32 logits, whatever the model's dtype
     if dtype not in forward.DTYPE_CODES:
         return f"the C kernels take float32 and bfloat16, not {str(dtype).removeprefix('torch.')}"
     if family in ("linear", "gated_mlp"):
@@ -190,6 +195,8 @@ def _race(kernel: Kernels, dtype: torch.dtype, shape: ModelShape, racing: list[s
             timings["decode_attention"] = _decode_race(kernel, dtype, shape)
         if "prefill_attention" in racing:
             timings["prefill_attention"] = _prefill_race(kernel, dtype, shape)
+        if "sampler" in racing:
+            timings["sampler"] = _sampler_race(kernel, shape)
     return timings
 
 
@@ -301,6 +308,24 @@ def _decode_race(kernel: Kernels, dtype: torch.dtype, shape: ModelShape) -> tupl
     scale = shape.head_dim ** -0.5
     c_s, torch_s = _best_of(lambda: attention.decode_c(meta, q, k_cache, v_cache, scale),
                             lambda: attention.decode_torch(q, k_cache, v_cache, tables, lens, scale), reps=5)
+    return c_s / DECODE_ROWS, torch_s / DECODE_ROWS
+
+
+def _sampler_race(kernel: Kernels, shape: ModelShape) -> tuple[float, float]:
+    """A decode step's draws at T 0.8, top-p 0.95 (the common setting) over the model's vocabulary: the
+    C kernels' pass over each row against torch's topk and sums; per generated token."""
+    # rows like a model's: a tail of noise and a few strong tokens, so that the nucleus is a few dozen wide
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(DECODE_ROWS, shape.vocab, generator=generator) * 1.5
+    strong = torch.randint(0, shape.vocab, (DECODE_ROWS, 32), generator=generator)
+    logits.scatter_add_(1, strong, torch.linspace(16.0, 8.0, 32).expand(DECODE_ROWS, 32).contiguous())
+    params = [SamplingParams(temperature=0.8, top_p=0.95)] * DECODE_ROWS
+    candidates = forward.Ops(None, torch.float32, sampler=kernel).candidates
+
+    def draw(c: Candidates | None) -> Callable[[], object]:
+        return lambda: sample_rows(logits, params, [torch.Generator().manual_seed(i) for i in range(DECODE_ROWS)],
+                                   candidates=c)
+    c_s, torch_s = _best_of(draw(candidates), draw(None), reps=5)
     return c_s / DECODE_ROWS, torch_s / DECODE_ROWS
 
 

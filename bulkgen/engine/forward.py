@@ -162,9 +162,10 @@ class Ops:
     grammar masks:
     our C kernels on CPU for float32 and bfloat16, otherwise the torch code of Hugging Face's modules."""
 
-    def __init__(self, kernel: Kernels | None, dtype: torch.dtype) -> None:
+    def __init__(self, kernel: Kernels | None, dtype: torch.dtype, sampler: Kernels | None = None) -> None:
         self.kernel = kernel if dtype in DTYPE_CODES else None  # for norms and activations in the model's dtype
         self.argmax_kernel = kernel
+        self.sampler_kernel = sampler  # the sampler family's (cpu_paths): candidates and grammar masks
         self.dtype_code = DTYPE_CODES.get(dtype, -1)
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
@@ -220,7 +221,7 @@ class Ops:
         log of their normaliser at temperature 1 / inverse_t [n, 1] (where want_z, int32 [n], is nonzero) and
         the candidates' places in order of token id [n, cut].
         None where the C kernel does not apply (the sampler does it in torch)."""
-        if self.argmax_kernel is None or logits.dtype != torch.float32 or logits.device.type != "cpu" \
+        if self.sampler_kernel is None or logits.dtype != torch.float32 or logits.device.type != "cpu" \
                 or logits.stride(-1) != 1:
             return None
         rows = logits.shape[0] if index is None else index.shape[0]
@@ -228,7 +229,7 @@ class Ops:
         ids, by_id = torch.empty(rows, cut, dtype=torch.int64), torch.empty(rows, cut, dtype=torch.int64)
         best, log_z = torch.empty(rows), torch.empty(rows, 1)
         inverse_t = inverse_t.contiguous()
-        self.argmax_kernel.row_candidates(
+        self.sampler_kernel.row_candidates(
             x=logits.data_ptr(), rows=rows, cols=logits.shape[1], row_stride=logits.stride(0),
             rows_index=None if index is None else index.data_ptr(), inv_t=inverse_t.data_ptr(),
             want_z=None if want_z is None else want_z.data_ptr(), cut=cut, values=values.data_ptr(),
@@ -239,11 +240,11 @@ class Ops:
     def mask_tokens(self, logits: torch.Tensor, rows: list[int], mask: torch.Tensor) -> bool:
         """-inf in place for the tokens a grammar's bitmask refuses (mask [len(rows), words] int32, as
         llguidance fills it) in these rows of float32 logits; False where the C kernel does not apply."""
-        if self.argmax_kernel is None or logits.dtype != torch.float32 or logits.device.type != "cpu" \
+        if self.sampler_kernel is None or logits.dtype != torch.float32 or logits.device.type != "cpu" \
                 or logits.stride(-1) != 1 or not mask.is_contiguous() or mask.dtype != torch.int32:
             return False
         index = None if rows == list(range(logits.shape[0])) else torch.tensor(rows, dtype=torch.int64)
-        self.argmax_kernel.mask_tokens(
+        self.sampler_kernel.mask_tokens(
             x=logits.data_ptr(), rows=len(rows), cols=logits.shape[1], row_stride=logits.stride(0),
             rows_index=None if index is None else index.data_ptr(), mask=mask.data_ptr(), words=mask.shape[1],
             num_threads=torch.get_num_threads())

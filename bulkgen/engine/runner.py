@@ -54,7 +54,7 @@ class ModelRunner:
 
             self.ops = TritonOps()
         else:
-            self.ops = forward.Ops(self.paths.c("small_ops"), self.dtype)
+            self.ops = forward.Ops(self.paths.c("small_ops"), self.dtype, self.paths.c("sampler"))
         self.forward = forward.make_forward(self.model, self.paths, config.pack_weights, self.ops) \
             if config.fast_forward else None
         self.packed_linears = 0
