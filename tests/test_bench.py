@@ -164,7 +164,8 @@ class LLM:
 def test_the_vllm_peer_starts_as_the_bench_starts_it_and_gets_the_runs_sampling(tmp_path: Path,
                                                                                   tiny_model_dir: Path) -> None:
     """The vLLM child runs as a script under another Python: nothing of bulkgen's may shadow the standard
-    library there, and it must get the run's sampling settings (each request seeded by its index)."""
+    library there, and it must get the run's sampling settings (no per-request seed: vLLM's CPU build fails
+    requests that carry one)."""
     import os
     import sys
 
@@ -189,7 +190,7 @@ def test_the_vllm_peer_starts_as_the_bench_starts_it_and_gets_the_runs_sampling(
     assert set(engines) == {"bulkgen", "vllm", "vllm@greedy"} and "sampled temperature 0.8 top-p 0.95" in result.stdout
     asked = [json.loads(line) for line in log.read_text().splitlines()]
     sampled, greedy = asked[:4], asked[4:]
-    assert [a["seed"] for a in sampled] == [0, 1, 2, 3]
+    assert len(sampled) == 4 and not any("seed" in a for a in asked)
     assert all(a["temperature"] == 0.8 and a["top_p"] == 0.95 and a["ignore_eos"] for a in sampled)
     assert all(a["temperature"] == 0 and "seed" not in a for a in greedy)
 
