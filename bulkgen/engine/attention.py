@@ -14,12 +14,16 @@ writes the new K/V into the paged cache and attends:
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from bulkgen.engine.kernels import Kernels
+from bulkgen.errors import ModelError
 
 ATTENTION_NAME = "bulkgen_paged"
 
@@ -99,8 +103,14 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                             dropout: float = 0.0, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention-function interface: query [1, num_heads, num_tokens, head_dim], key and
     value [1, num_kv_heads, num_tokens, head_dim]; returns [1, num_tokens, num_heads, head_dim]."""
+    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:  # refused at load (above)
+        raise ModelError(f"{type(module).__name__} asks for attention softcapping or sinks, which bulkgen's "
+                         "attention does not compute")
+    meta = kwargs.get("bulkgen_attention") or getattr(_STEP, "meta", None)
+    if meta is None:
+        raise ModelError(f"{type(module).__name__} was called outside a bulkgen step")
     scale = scaling if scaling is not None else query.shape[-1]**-0.5
-    out = attend(kwargs["bulkgen_attention"], module.layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1),
+    out = attend(meta, module.layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1),
                  value[0].transpose(0, 1), scale)
     return out.unsqueeze(0), None
 
@@ -263,6 +273,31 @@ def _paged_c(kernel: Kernels, meta: AttentionMetadata, q: torch.Tensor, k_cache:
     if failed:
         raise MemoryError("paged attention kernel could not allocate its scratch buffer")
     return out.to(q.dtype)
+
+
+# The step's metadata for attention modules whose layers do not pass transformers' keyword arguments on to
+# the attention function (StableLM's): the runner sets it around the model's forward, on its own thread.
+_STEP = threading.local()
+
+
+@contextmanager
+def step(meta: AttentionMetadata) -> Iterator[None]:
+    _STEP.meta = meta
+    try:
+        yield
+    finally:
+        _STEP.meta = None
+
+
+def unsupported_features(model: torch.nn.Module) -> str | None:
+    """What of the model's attention our kernels do not compute yet (None: nothing). A model that needs it
+    is refused at load: run through our attention it would give other outputs than the model's."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        return "attention logit softcapping (attn_logit_softcapping)"
+    if any(isinstance(getattr(m, "sinks", None), torch.nn.Parameter) for m in model.modules()):
+        return "attention sinks (a learned logit per head in the softmax)"
+    return None
 
 
 def register() -> None:

@@ -24,6 +24,7 @@ from bulkgen.engine.kernels import NO_KERNEL_ENV, load_cpu_kernels
 from bulkgen.engine.scheduler import ScheduledSeq
 from bulkgen.engine.sequence import Sequence
 from bulkgen.errors import ConfigError, ModelError
+from bulkgen.resolve import sliding_window
 
 log = logging.getLogger(__name__)
 
@@ -181,8 +182,9 @@ class ModelRunner:
             keep = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
         if self.forward is not None:
             return self.forward(ids, pos, keep, meta).float(), sampled
-        output = self.model(input_ids=ids[None], position_ids=pos[None], use_cache=False, logits_to_keep=keep,
-                            bulkgen_attention=meta)
+        with attention.step(meta):
+            output = self.model(input_ids=ids[None], position_ids=pos[None], use_cache=False, logits_to_keep=keep,
+                                bulkgen_attention=meta)
         return output.logits[0].float(), sampled
 
     def _triton_inputs(self, decodes: list[ScheduledSeq], input_ids: list[int], positions: list[int],
@@ -399,9 +401,13 @@ def _load(model: str | Path | torch.nn.Module, dtype: torch.dtype, device: torch
     if loaded.config._attn_implementation != attention.ATTENTION_NAME:
         raise ModelError(f"{type(loaded).__name__} does not use transformers' attention interface; "
                          "bulkgen cannot plug its paged attention into it")
-    window = getattr(loaded.config, "sliding_window", None)
-    if window and getattr(loaded.config, "use_sliding_window", True):
-        log.warning("bulkgen: %s uses sliding-window attention (%s tokens); bulkgen attends to the whole "
-                    "context, which is exact only for sequences shorter than the window", type(loaded).__name__,
-                    window)
+    missing = attention.unsupported_features(loaded)
+    if missing is not None:
+        raise ModelError(f"{type(loaded).__name__} uses {missing}, which bulkgen's attention does not compute "
+                         "yet: it cannot run this model exactly")
+    window = sliding_window(loaded.config)
+    if window is not None:
+        log.warning("bulkgen: %s attends over a sliding window of %s tokens in some layers, which bulkgen does "
+                    "not run yet: requests longer than the window are refused (each fails with that reason)",
+                    type(loaded).__name__, window)
     return loaded.to(device=device, dtype=dtype).eval()
