@@ -1,4 +1,4 @@
-"""Small helpers shared by tests: Parquet files and CLI calls."""
+"""Small helpers shared by tests: Parquet files, CLI calls, Hugging Face's greedy generate as the reference."""
 
 from __future__ import annotations
 
@@ -37,3 +37,20 @@ def count_rows(db_url: str, model: type) -> int:
     store = open_store(db_url)
     with store.session_scope() as session:
         return session.scalar(select(func.count()).select_from(model))
+
+
+def hf_greedy(model_dir: Path, workload: list[tuple[list[int], int]], exact_length: bool = False) -> list[list[int]]:
+    """Hugging Face generate(), greedy, one prompt at a time: the new token ids of each (prompt, max_new)
+    (exact_length: EOS never ends one early, as bulkgen's ignore_eos)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = []
+    with torch.inference_mode():
+        for prompt, max_new in workload:
+            ids = torch.tensor([prompt])
+            generated = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
+                                       min_new_tokens=max_new if exact_length else None, do_sample=False)
+            out.append(generated[0, len(prompt):].tolist())
+    return out

@@ -17,6 +17,7 @@ from bulkgen.engine.cpu import ALLOW_SLOW_DTYPE_ENV
 from bulkgen.engine.engine import Engine
 from bulkgen.engine.kernels import CFLAGS_ENV
 from bulkgen.errors import ConfigError
+from tests import helpers
 from tests.builds import HAS_AVX512_BF16
 
 NUM_PROMPTS = 44
@@ -33,17 +34,7 @@ WORKLOAD = _workload()
 
 
 def hf_greedy(model_dir: Path) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    out = []
-    with torch.inference_mode():
-        for prompt, max_new in WORKLOAD:
-            ids = torch.tensor([prompt])
-            generated = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
-                                       do_sample=False)
-            out.append(generated[0, len(prompt):].tolist())
-    return out
+    return helpers.hf_greedy(model_dir, WORKLOAD)
 
 
 @pytest.fixture(scope="module")

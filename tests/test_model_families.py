@@ -18,7 +18,7 @@ from bulkgen.errors import ModelError, PromptTooLongError
 from bulkgen.resolve import sliding_window
 from bulkgen.store import open_store
 from bulkgen.store.models import Request
-from tests.helpers import invoke, invoke_json, write_parquet
+from tests.helpers import hf_greedy, invoke, invoke_json, write_parquet
 
 WINDOW = 24
 
@@ -38,20 +38,6 @@ def tiny_model(out: Path, tokenizer_dir: Path, config_class: str, seed: int = 4,
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
-
-
-def hf_greedy(model_dir: Path, workload: list[tuple[list[int], int]]) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    want = []
-    with torch.inference_mode():
-        for prompt, max_new in workload:
-            ids = torch.tensor([prompt])
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
-                                 min_new_tokens=max_new, do_sample=False)
-            want.append(out[0, len(prompt):].tolist())
-    return want
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +64,7 @@ def test_within_its_window_a_sliding_model_equals_hf_generate_and_past_it_is_ref
                                                                                      kernels: str) -> None:
     rng = random.Random(0)
     workload = [([rng.randrange(100, 40000) for _ in range(n)], WINDOW - n) for n in (1, 5, 12, 20, 23)]
-    want = hf_greedy(tiny_mistral_dir, workload)
+    want = hf_greedy(tiny_mistral_dir, workload, exact_length=True)
     engine = Engine(tiny_mistral_dir, EngineConfig(kv_cache_memory=4 * 2**20, block_size=16, kernels=kernels))
     got = engine.generate([p for p, _ in workload],
                           [SamplingParams(max_new_tokens=n, ignore_eos=True) for _, n in workload])
@@ -127,7 +113,7 @@ def test_stablelm_whose_layers_keep_attention_arguments_to_themselves_equals_hf_
     model_dir = tiny_model(tmp_path / "stablelm", default_model_dir, "StableLmConfig", partial_rotary_factor=0.25)
     rng = random.Random(1)
     workload = [([rng.randrange(100, 40000) for _ in range(n)], m) for n, m in ((1, 9), (17, 20), (60, 33))]
-    want = hf_greedy(model_dir, workload)
+    want = hf_greedy(model_dir, workload, exact_length=True)
     engine = Engine(model_dir, EngineConfig(kv_cache_memory=4 * 2**20, block_size=16, kernels=kernels,
                                             max_num_batched_tokens=32))
     got = engine.generate([p for p, _ in workload], [SamplingParams(max_new_tokens=n, ignore_eos=True)
