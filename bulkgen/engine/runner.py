@@ -403,7 +403,7 @@ def _load(model: str | Path | torch.nn.Module, dtype: torch.dtype, device: torch
                          "bulkgen cannot plug its paged attention into it")
     missing = attention.unsupported_features(loaded)
     if missing is not None:
-        raise ModelError(f"{type(loaded).__name__} uses {missing}, which bulkgen's attention does not compute "
+        raise ModelError(f"{type(loaded).__name__} uses {missing}, which bulkgen does not compute "
                          "yet: it cannot run this model exactly")
     window = sliding_window(loaded.config)
     if window is not None:
