@@ -106,7 +106,7 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:  # refused at load (above)
         raise ModelError(f"{type(module).__name__} asks for attention softcapping or sinks, which bulkgen's "
                          "attention does not compute")
-    meta = kwargs.get("bulkgen_attention") or getattr(_STEP, "meta", None)
+    meta = getattr(_STEP, "meta", None)
     if meta is None:
         raise ModelError(f"{type(module).__name__} was called outside a bulkgen step")
     scale = scaling if scaling is not None else query.shape[-1]**-0.5
@@ -275,8 +275,8 @@ def _paged_c(kernel: Kernels, meta: AttentionMetadata, q: torch.Tensor, k_cache:
     return out.to(q.dtype)
 
 
-# The step's metadata for attention modules whose layers do not pass transformers' keyword arguments on to
-# the attention function (StableLM's): the runner sets it around the model's forward, on its own thread.
+# The step's metadata, set by the runner around the model's forward on its own thread: not passed as a keyword
+# argument through the model, since some families' layers do not hand those on to the attention (StableLM's).
 _STEP = threading.local()
 
 

@@ -183,8 +183,7 @@ class ModelRunner:
         if self.forward is not None:
             return self.forward(ids, pos, keep, meta).float(), sampled
         with attention.step(meta):
-            output = self.model(input_ids=ids[None], position_ids=pos[None], use_cache=False, logits_to_keep=keep,
-                                bulkgen_attention=meta)
+            output = self.model(input_ids=ids[None], position_ids=pos[None], use_cache=False, logits_to_keep=keep)
         return output.logits[0].float(), sampled
 
     def _triton_inputs(self, decodes: list[ScheduledSeq], input_ids: list[int], positions: list[int],
