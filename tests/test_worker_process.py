@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -13,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pyarrow.parquet as pq
-from sqlalchemy import func, select
+from sqlalchemy import func, select, text
 
 from bulkgen.store import open_store
 from bulkgen.store.models import Request, Result, Worker
@@ -98,13 +99,42 @@ def make_two_work(db: str, alive: Callable[[], bool], timeout: float = 180) -> N
     if len(first) > 1:
         return
     (pid,) = first.values()
-    os.kill(pid, signal.SIGSTOP)
+    pause_between_transactions(db, pid, deadline)
     try:
         while len(workers_with_results(db)) < 2:
             assert alive() and time.monotonic() < deadline, "the second worker committed nothing"
             time.sleep(POLL_S)
     finally:
         os.kill(pid, signal.SIGCONT)
+
+
+def pause_between_transactions(db: str, pid: int, deadline: float) -> None:
+    """SIGSTOP the worker at a moment it holds no open write transaction: paused inside one it would block
+    every other writer (SQLite has one), and the other worker could commit nothing."""
+    while True:
+        os.kill(pid, signal.SIGSTOP)
+        if not _transaction_open(db):
+            return
+        os.kill(pid, signal.SIGCONT)
+        assert time.monotonic() < deadline, "the worker never stood outside a transaction"
+        time.sleep(POLL_S)
+
+
+def _transaction_open(db: str) -> bool:
+    if db.startswith("sqlite"):
+        connection = sqlite3.connect(db.removeprefix("sqlite:///"), timeout=0)
+        try:
+            connection.execute("BEGIN IMMEDIATE")  # fails while another connection holds the write lock
+            connection.rollback()
+            return False
+        except sqlite3.OperationalError:
+            return True
+        finally:
+            connection.close()
+    with open_store(db).session_scope() as session:  # a paused client's transaction waits, idle, on the server
+        return bool(session.execute(text(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid() "
+            "AND state = 'idle in transaction'")).scalar())
 
 
 def export_rows(db: str, job_id: int, path: Path) -> list[dict]:
