@@ -22,8 +22,22 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from bulkgen.config import EngineConfig, Paths, parse_size
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from bulkgen.config import EngineConfig, Paths, SamplingParams, parse_size, request_sampling, request_seed
 from bulkgen.errors import ConfigError
+from bulkgen.io.export import RESULT_SCHEMA, export_job
+from bulkgen.io.rows import check_columns
+from bulkgen.jobspec import JobSpec, build_spec
+from bulkgen.packing import admission_for
+from bulkgen.prompts import PromptRenderer
+from bulkgen.resolve import DEFAULT_MODEL, resolve_model
+from bulkgen.store import jobs as job_ops
+from bulkgen.store import open_store
+from bulkgen.store.models import DEFAULT_PACKING, unpack_ids
+from bulkgen.submission import submit_job
+from bulkgen.worker import Worker, WorkerOptions
 
 OUTPUT_COLUMNS = ("output", "finish_reason", "num_prompt_tokens", "num_output_tokens", "error")  # as export's
 
@@ -37,20 +51,12 @@ class Job:
 
     def status(self) -> dict[str, Any]:
         """As `bulkgen status JOB --json`: status, counts by state, tokens, throughput, ..."""
-        from bulkgen.store import jobs as job_ops
-        from bulkgen.store import open_store
-
         with open_store(self.db).session_scope() as session:
             return job_ops.describe_jobs(session, [job_ops.get_job(session, self.id)])[0]
 
     def results(self, include_inputs: bool = True, include_token_ids: bool = False) -> Any:
         """As `bulkgen export`: a pyarrow.Table, one row per request in input order, the input's columns
         joined (what is committed so far, if the job is still running)."""
-        import pyarrow.parquet as pq
-
-        from bulkgen.io.export import export_job
-        from bulkgen.store import open_store
-
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "results.parquet"
             export_job(open_store(self.db), self.id, out, include_inputs=include_inputs,
@@ -59,17 +65,11 @@ class Job:
 
     def cancel(self) -> int:
         """As `bulkgen cancel`: the requests cancelled."""
-        from bulkgen.store import jobs as job_ops
-        from bulkgen.store import open_store
-
         with open_store(self.db).session_scope(write=True) as session:
             return job_ops.cancel_job(session, self.id)
 
     def retry(self) -> int:
         """As `bulkgen retry`: the failed requests queued again."""
-        from bulkgen.store import jobs as job_ops
-        from bulkgen.store import open_store
-
         with open_store(self.db).session_scope(write=True) as session:
             return job_ops.retry_job(session, self.id)
 
@@ -78,10 +78,6 @@ def submit(source: str | Path | Any | Sequence[Any], db: str | None = None, **op
     """Submit a job, as `bulkgen submit`. `source`: a path (Parquet, JSONL, CSV, an OpenAI batch file or a job
     file), a pyarrow.Table, or a list of prompts (strings) or of conversations (lists of {role, content}).
     A table or list is kept as a Parquet file under bulkgen's data folder (export joins its columns)."""
-    from bulkgen.jobspec import build_spec
-    from bulkgen.store import open_store
-    from bulkgen.submission import submit_job
-
     path = _as_file(source, options)
     url = db or Paths().default_db_url
     spec = build_spec(path, {k: v for k, v in options.items() if v is not None})
@@ -94,9 +90,6 @@ def run(job_ids: Sequence[int] | None = None, db: str | None = None, progress: b
     """Run queued jobs (all, or these) until the queue is empty, as `bulkgen run`; returns its summary (as
     `bulkgen run --json`). Options: the engine's (dtype, kv_cache_memory, max_num_seqs, ...) and the
     worker's (lease_s, commit_rows, packing, ...)."""
-    from bulkgen.store import open_store
-    from bulkgen.worker import Worker, WorkerOptions
-
     engine_keys = {f.name for f in fields(EngineConfig)}
     worker_keys = {f.name for f in fields(WorkerOptions)} - {"job_ids", "progress"}
     unknown = sorted(set(options) - engine_keys - worker_keys)
@@ -115,8 +108,6 @@ def generate(prompts: Sequence[Any], model: str | None = None, engine: dict[str,
     database; one dict per prompt, in order, with export's output columns (output, finish_reason,
     num_prompt_tokens, num_output_tokens, error). `sampling`: max_new_tokens, temperature, top_p, ..., seed;
     `chat=True` renders string prompts with the chat template; `engine`: EngineConfig's fields."""
-    import pyarrow as pa
-
     prompts = list(prompts)
     if not prompts:
         return []
@@ -135,9 +126,6 @@ def _as_file(source: Any, options: dict[str, Any]) -> Path:
     """A path as it is; a table or list written once to a Parquet file of its own."""
     if isinstance(source, (str, Path)):
         return Path(source)
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     if isinstance(source, pa.Table):
         table = source
     elif isinstance(source, Sequence) and source:
@@ -185,37 +173,25 @@ class Generate:
     def __init__(self, model: str | None = None, prompt_column: str | None = None,
                  messages_column: str | None = None, chat: bool = False, system_prompt: str | None = None,
                  max_new_tokens_column: str | None = None, sampling: dict[str, Any] | None = None,
-                 engine: dict[str, Any] | None = None, packing: str = "lpt") -> None:
-        from pathlib import Path
+                 engine: dict[str, Any] | None = None, packing: str = DEFAULT_PACKING) -> None:
+        from bulkgen.engine.engine import Engine  # here: `import bulkgen` stays free of torch
 
-        from bulkgen.config import SamplingParams
-        from bulkgen.engine.engine import Engine
-        from bulkgen.jobspec import JobSpec
-        from bulkgen.packing import admission_for
-        from bulkgen.resolve import DEFAULT_MODEL, resolve_model
-        from bulkgen.submission import PromptRenderer
-
-        sampling_params = SamplingParams.from_dict({"seed": 0, **(sampling or {})})
         self.spec = JobSpec(input=Path("<ray dataset>"), model=model or DEFAULT_MODEL, prompt_column=prompt_column,
                             messages_column=messages_column, chat=chat, system_prompt=system_prompt,
-                            max_new_tokens_column=max_new_tokens_column, sampling=sampling_params)
+                            max_new_tokens_column=max_new_tokens_column,
+                            sampling=SamplingParams.from_dict({"seed": 0, **(sampling or {})}))
         resolved = resolve_model(self.spec.model)
         self.renderer = PromptRenderer(self.spec, resolved.path)
         self.engine = Engine(resolved.path, _engine_config(engine or {}), tokenizer=self.renderer.tokenizer,
                              admission=admission_for(packing, True))
 
     def __call__(self, batch: Any) -> Any:
-        import hashlib
-
-        import pyarrow as pa
-
-        from bulkgen.store.models import unpack_ids
-
         table = batch if isinstance(batch, pa.Table) else pa.table(batch)
-        rows = self.renderer.requests(0, table.combine_chunks().to_batches()[0] if table.num_rows else
-                                      pa.RecordBatch.from_pylist([], schema=table.schema), first_row=0)
+        check_columns(table.schema, self.spec.columns, "the table")
+        rows = self.renderer.table_rows(0, table.combine_chunks().to_batches()[0] if table.num_rows else
+                                        pa.RecordBatch.from_pylist([], schema=table.schema), first_row=0)
         out: dict[str, list[Any]] = {name: [None] * table.num_rows for name in OUTPUT_COLUMNS}
-        params = self.spec.sampling
+        job = self.spec.sampling
         for row in rows:
             i = row["row"]
             out["num_prompt_tokens"][i] = row["num_prompt_tokens"]
@@ -223,9 +199,10 @@ class Generate:
                 out["error"][i] = row["error"]
                 continue
             ids = unpack_ids(row["prompt_token_ids"])
-            seed = int.from_bytes(hashlib.blake2b(f"{params.seed}:{ids}".encode(), digest_size=8).digest(),
-                                  "little") >> 1
-            self.engine.add(i, ids, params.replace(max_new_tokens=row["max_new_tokens"], seed=seed))
+            # the seed follows the prompt, not its place in a batch that Ray cut
+            self.engine.add(i, ids, request_sampling(job, (row["params"] or {}).get("sampling"),
+                                                     max_new_tokens=row["max_new_tokens"],
+                                                     seed=request_seed(job.seed, ids)))
         while self.engine.has_unfinished():
             for result in self.engine.step():
                 i = result.request_id
@@ -235,8 +212,6 @@ class Generate:
                     out["output"][i] = result.text
                     out["num_output_tokens"][i] = len(result.output_token_ids)
                 out["finish_reason"][i] = result.finish_reason
-        from bulkgen.io.export import RESULT_SCHEMA
-
         for name in OUTPUT_COLUMNS:  # typed as export types them
             column = pa.array(out[name], type=RESULT_SCHEMA.field(name).type)
             table = table.set_column(table.schema.get_field_index(name), name, column) \

@@ -6,6 +6,7 @@ store, the packer and the scheduler can all use it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -19,7 +20,7 @@ from bulkgen.errors import ConfigError
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "kernel", "torch", "triton")
-# CPU kernel families, each run in bulkgen's C kernels or in plain torch (engine/cpu_paths.py decides).
+# CPU kernel families, each run in bulkgen's C kernels or in plain torch (engine/cpu/paths.py decides).
 KERNEL_FAMILIES = ("linear", "gated_mlp", "decode_attention", "prefill_attention", "small_ops", "sampler")
 KERNEL_FAMILY_GROUPS = {"attention": ("decode_attention", "prefill_attention"), "all": KERNEL_FAMILIES}
 KERNEL_PATHS = ("c", "torch")
@@ -99,6 +100,20 @@ class SamplingParams:
         return cls(**data)
 
 
+def request_sampling(job: SamplingParams, own: dict[str, Any] | None = None, **fixed: Any) -> SamplingParams:
+    """A request's sampling, merged in this one place: the job's settings, overridden by the request's own
+    (an OpenAI batch line's, a row's JSON schema), then by what each request fixes (its token budget and
+    seed). Submit checks a request with it; the worker and the in-memory stage run it."""
+    return SamplingParams.from_dict({**job.to_dict(), **(own or {}), **fixed})
+
+
+def request_seed(*key: Any) -> int:
+    """A request's own seed from what identifies it (the job's seed, its row and sample): its sampled output
+    never depends on what it was batched with."""
+    digest = hashlib.blake2b(":".join(str(part) for part in key).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1  # fits a signed 64-bit column
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Limits of the engine. Sizes left as None are derived from the machine and the model."""
@@ -123,7 +138,9 @@ class EngineConfig:
         _check(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         _check(self.device in DEVICES or self.device.startswith("cuda:"),
                f"device must be one of {', '.join(DEVICES)} or cuda:N, got {self.device!r}")
-        _check(isinstance(self.block_size, int) and self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
+        power_of_two = isinstance(self.block_size, int) and self.block_size >= 1 \
+            and self.block_size & (self.block_size - 1) == 0
+        _check(power_of_two,
                f"block size must be a power of two, got {self.block_size!r}")
         _check(self.kv_cache_memory is None or (isinstance(self.kv_cache_memory, int) and self.kv_cache_memory > 0),
                f"kv-cache-memory must be a positive size such as 2GiB, got {self.kv_cache_memory!r}")

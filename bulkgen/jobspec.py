@@ -14,7 +14,8 @@ from typing import Any
 
 from bulkgen.config import SamplingParams, parse_json_schema
 from bulkgen.errors import ConfigError
-from bulkgen.io.rows import INPUT_FORMATS, InputColumns
+from bulkgen.io import openai_batch
+from bulkgen.io.rows import INPUT_FORMATS, InputColumns, detect_format
 from bulkgen.resolve import DEFAULT_MODEL
 
 SAMPLING_KEYS = {f.name for f in fields(SamplingParams)}
@@ -154,8 +155,6 @@ def _openai_defaults(values: dict[str, Any], sampling: dict[str, Any]) -> None:
     path = Path(values["input"]).expanduser()
     if not path.is_file() or values.get("input_format", "auto") not in ("auto", "openai"):
         return
-    from bulkgen.io import openai_batch
-    from bulkgen.io.rows import detect_format
 
     if detect_format(path, values.get("input_format", "auto")) != "openai":
         return

@@ -45,19 +45,19 @@ class Heartbeat(threading.Thread):
 
 
 def on_stop_signals(stop: Callable[[str], None], is_stopping: Callable[[], bool],
-                    drain_timeout_s: float) -> Callable[[], None]:
-    """Call stop(signal name) on SIGINT or SIGTERM; a second SIGINT exits at once. Returns a function that
-    restores the previous handlers. Outside the main thread (where Python allows no handlers) a no-op."""
+                    at_once: Callable[[], None] = lambda: None) -> Callable[[], None]:
+    """Call stop(signal name) on SIGINT or SIGTERM (a drain: say so there); a second SIGINT calls at_once()
+    and exits with status 130. The one handling of stop signals: a worker's and a Ray driver's. Returns a
+    function that restores the previous handlers. Outside the main thread (where Python allows no handlers)
+    a no-op."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
 
     def handle(signum: int, _frame: Any) -> None:
         if is_stopping() and signum == signal.SIGINT:
+            at_once()
             os._exit(130)
-        name = signal.Signals(signum).name
-        stop(name)
-        log.warning("bulkgen: %s: finishing running requests (up to %.0fs), then stopping; "
-                    "Ctrl-C again to stop at once", name, drain_timeout_s)
+        stop(signal.Signals(signum).name)
 
     previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGINT, signal.SIGTERM)}
 

@@ -15,8 +15,8 @@ expected output length, then freeing its blocks) stays within the cache. So the 
 without preemption, the work that preemption throws away. When the next request in order does not
 fit, the scheduler backfills (as EASY backfilling does for batch jobs): it looks further down the
 queue (`lookahead`) for requests that fit now *and* will have finished by the time the blocked one
-can start, so short requests fill the room without ever delaying the long one (and the tail). The expected output length is
-`max_new_tokens` at first (exact when EOS is ignored, as in benchmarks) and then scaled by the
+can start, so short requests fill the room without ever delaying the long one (and the tail). The
+expected output length is `max_new_tokens` at first (exact when EOS is ignored, as in benchmarks) and then scaled by the
 share of their budget that finished requests actually used.
 
 Spreading ends (`lpt` only). Requests admitted together with similar budgets also end together: the
@@ -44,16 +44,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from bulkgen.errors import ConfigError
-
-# Each policy's order as (field, descending) sort keys, ties kept in input order. The one definition:
-# `order` applies it to lists, the queue's claim (store/queue.py) as SQL ORDER BY.
-SORT_KEYS: dict[str, tuple[tuple[str, bool], ...]] = {
-    "lpt": (("max_new_tokens", True), ("num_prompt_tokens", True)),
-    "sorted": (("num_prompt_tokens", False),),
-    "fifo": (),
-}
-POLICIES = tuple(SORT_KEYS)
-DEFAULT_POLICY = "lpt"
+from bulkgen.store.models import DEFAULT_PACKING, PACKINGS, SORT_KEYS
 
 
 class Packable(Protocol):
@@ -61,28 +52,28 @@ class Packable(Protocol):
     max_new_tokens: int
 
 
-def order(items: Seq[Any], policy: str = DEFAULT_POLICY,
+def order(items: Seq[Any], packing: str = DEFAULT_PACKING,
           prompt_len=lambda it: it.num_prompt_tokens, max_new=lambda it: it.max_new_tokens) -> list[Any]:
-    """Admission order of `items` under `policy` (stable: equal keys keep their input order)."""
-    check_policy(policy)
+    """Admission order of `items` under `packing` (stable: equal keys keep their input order)."""
+    check_packing(packing)
     fields = {"max_new_tokens": max_new, "num_prompt_tokens": prompt_len}
-    keys = SORT_KEYS[policy]
+    keys = SORT_KEYS[packing]
     return sorted(items, key=lambda it: tuple(-fields[f](it) if desc else fields[f](it) for f, desc in keys))
 
 
-def check_policy(policy: str) -> None:
-    if policy not in SORT_KEYS:
-        raise ConfigError(f"packing policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+def check_packing(packing: str) -> None:
+    if packing not in SORT_KEYS:
+        raise ConfigError(f"packing policy must be one of {', '.join(PACKINGS)}, got {packing!r}")
 
 
-def admission_for(policy: str, kv_admission: bool = True) -> Callable[[int, int], KVAdmission] | None:
+def admission_for(packing: str, kv_admission: bool = True) -> Callable[[int, int], KVAdmission] | None:
     """What the engine takes at construction to admit by: None (blocks free now, as vLLM does), or the
     projected-peak KV admission, built once the engine knows its cache (num_blocks, block_size); spreading
     ends under lpt."""
-    check_policy(policy)
+    check_packing(packing)
     if not kv_admission:
         return None
-    return lambda num_blocks, block_size: KVAdmission(num_blocks, block_size, spread_ends=policy == "lpt")
+    return lambda num_blocks, block_size: KVAdmission(num_blocks, block_size, spread_ends=packing == "lpt")
 
 
 @dataclass

@@ -103,12 +103,12 @@ class Progress:
         eta = self.eta_s
         if eta is None:
             return "-"
-        return f"<={_duration(eta)}" if self.is_upper_bound else _duration(eta)
+        return f"<={format_duration(eta)}" if self.is_upper_bound else format_duration(eta)
 
     def line(self) -> str:
         elapsed = time.monotonic() - self.start
         return (f"bulkgen run: {self.done}/{self.total} requests · {self.num_output_tokens:,} tokens generated · "
-                f"{self.output_rate:.1f} output tok/s · elapsed {_duration(elapsed)} · ETA {self._eta_text()}")
+                f"{self.output_rate:.1f} output tok/s · elapsed {format_duration(elapsed)} · ETA {self._eta_text()}")
 
     def _show(self, now: float) -> None:
         if not self.enabled:
@@ -128,7 +128,7 @@ class Progress:
             self.bar.close()
 
 
-def _duration(seconds: float) -> str:
+def format_duration(seconds: float) -> str:
     seconds = int(round(seconds))
     if seconds < 60:
         return f"{seconds}s"

@@ -8,15 +8,15 @@ node lost) is restarted by Ray, up to a limit, and its run retried; its leases g
 once on its own node, where the new worker sees the old process gone; else when they expire).
 
 Ray is an optional dependency (`pip install 'bulkgen[ray]'`): this module imports it only when called.
+(Just over 300 lines: the placement, the actor and the driver belong together; the Ray Data stage is
+api.Generate.)
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -24,11 +24,12 @@ from typing import Any
 from bulkgen.api import OUTPUT_COLUMNS, Generate  # the engine as a Ray Data stage (it needs no Ray itself)
 from bulkgen.config import EngineConfig
 from bulkgen.errors import BulkgenError, ConfigError
+from bulkgen.lease import on_stop_signals
 from bulkgen.progress import Progress
-from bulkgen.store import Store
+from bulkgen.store import Store, open_store
 from bulkgen.store import jobs as job_ops
 from bulkgen.store import queue as q
-from bulkgen.worker import WorkerOptions
+from bulkgen.worker import Worker, WorkerOptions
 
 __all__ = ["OUTPUT_COLUMNS", "Generate", "RayOptions", "generate", "run_on_ray"]
 
@@ -125,8 +126,6 @@ class QueueWorker:
     reach it while `run` works."""
 
     def __init__(self, db_url: str, engine_config: EngineConfig, options: WorkerOptions) -> None:
-        from bulkgen.store import open_store
-
         logging.basicConfig(level=logging.WARNING, format="%(message)s")
         self.store = open_store(db_url)
         self.engine_config, self.options = engine_config, options
@@ -134,8 +133,6 @@ class QueueWorker:
         self.stopping = False
 
     def run(self) -> dict[str, Any]:
-        from bulkgen.worker import Worker
-
         self.worker = Worker(self.store, self.engine_config, self.options)
         if self.stopping:
             self.worker.stop("driver")
@@ -271,26 +268,20 @@ class _DriverSignals:
     def __init__(self, actors: list[Any]) -> None:
         self.actors = actors
         self.signal_name: str | None = None
-        self._previous = {}
-        if threading.current_thread() is threading.main_thread():
-            self._previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+        self.restore = on_stop_signals(self._drain, lambda: self.signal_name is not None, self._kill)
 
-    def _handle(self, signum: int, _frame: Any) -> None:
-        import ray
-
-        if self.signal_name is not None and signum == signal.SIGINT:
-            for actor in self.actors:
-                ray.kill(actor, no_restart=True)
-            os._exit(130)
-        self.signal_name = signal.Signals(signum).name
-        print(f"bulkgen: {self.signal_name}: every worker finishes its running requests, then stops; Ctrl-C "
-              "again to stop at once", file=sys.stderr, flush=True)
+    def _drain(self, name: str) -> None:
+        self.signal_name = name
+        print(f"bulkgen: {name}: every worker finishes its running requests, then stops; Ctrl-C again to stop "
+              "at once", file=sys.stderr, flush=True)
         for actor in self.actors:
             actor.stop.remote()
 
-    def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+    def _kill(self) -> None:
+        import ray  # here: the driver has imported it (require_ray); bulkgen imports without Ray
+
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -20,7 +20,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from bulkgen.config import Paths
 from bulkgen.errors import ModelError
@@ -81,55 +80,6 @@ def resolve_model(spec: str, paths: Paths | None = None, log: Log | None = None)
         return ResolvedModel(spec, path.resolve())
     raise ModelError(f"unknown model {spec!r}: give a local Hugging Face directory, a .gguf file, "
                      f"or one of the aliases: {', '.join(sorted(ALIASES))}")
-
-
-def model_limits(model_dir: Path) -> tuple[int, int | None]:
-    """The longest sequence (prompt + output) the model was trained for, and its sliding window (or None)."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(model_dir)
-    return context_length(config, str(model_dir)), sliding_window(config)
-
-
-def context_length(config: Any, name: str) -> int:
-    """The context length a Hugging Face config states (submit and the engine both ask here, so they agree)."""
-    for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
-        value = getattr(config, key, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    raise ModelError(f"cannot tell the context length of {name}: its config has no max_position_embeddings")
-
-
-def sliding_window(config: Any) -> int | None:
-    """The window over which some of the model's layers attend (None: every layer attends to the whole
-    context), read as transformers reads it: from `layer_types` where the config has them, else from
-    `sliding_window` unless `use_sliding_window` is off. bulkgen's attention does not slide yet, so a
-    sequence longer than this would differ from the model: such requests are refused (submit and engine)."""
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    window = getattr(config, "sliding_window", None)
-    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
-        return None
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None:
-        return window if "sliding_attention" in layer_types else None
-    return window if getattr(config, "use_sliding_window", True) is not False else None
-
-
-def past_window(num_tokens: int, window: int | None) -> str | None:
-    """Why a sequence of num_tokens (prompt + max_new_tokens) cannot run exactly, or None."""
-    if window is None or num_tokens <= window:
-        return None
-    return (f"the model attends over a sliding window of {window} tokens, which bulkgen does not run yet (past "
-            f"it the outputs would differ from the model's); prompt and max_new_tokens must fit {window} tokens")
-
-
-def load_tokenizer(model_dir: Path):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(model_dir)
-    except Exception as exc:
-        raise ModelError(f"cannot load the tokenizer of {model_dir}: {exc}") from exc
 
 
 def _is_complete(target: Path) -> bool:

@@ -8,7 +8,9 @@ claim -> add -> step -> write:
 - write: finished outputs become result rows, committed in small transactions (writer.py), so a crash
   loses at most what was generated since the last commit and never a committed row.
 
-The lease and its heartbeat, and the signals that drain a run, live in lease.py.
+The lease and its heartbeat, and the signals that drain a run, live in lease.py. (Over 300 lines: the
+loop's named steps, its shutdown and the run's options and summary stay together, one class that a
+reader follows top to bottom.)
 """
 
 from __future__ import annotations
@@ -22,14 +24,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from bulkgen.config import EngineConfig, SamplingParams
+from bulkgen.config import EngineConfig, SamplingParams, request_sampling
 from bulkgen.errors import ConfigError, PromptTooLongError, StoreError
 from bulkgen.lease import Heartbeat, on_stop_signals
-from bulkgen.packing import check_policy
+from bulkgen.packing import admission_for, check_packing
 from bulkgen.progress import Progress
 from bulkgen.store import Store
 from bulkgen.store import queue as q
-from bulkgen.store.models import Job, unpack_ids
+from bulkgen.store.models import DEFAULT_PACKING, Job, unpack_ids
 from bulkgen.writer import Flushed, ResultWriter
 
 if TYPE_CHECKING:
@@ -48,7 +50,7 @@ class WorkerOptions:
     commit_interval_s: float = 2.0
     max_attempts: int = 3
     drain_timeout_s: float = 30.0  # on SIGINT/SIGTERM: how long running sequences may finish
-    packing: str = "lpt"  # claim and admission order (bulkgen.packing)
+    packing: str = DEFAULT_PACKING  # claim and admission order (bulkgen.packing)
     kv_admission: bool = True  # admit only what the KV cache can hold to the end (no preemption)
     wait: bool = False  # when the queue is empty, wait for new work instead of exiting
     poll_s: float = 2.0
@@ -58,7 +60,7 @@ class WorkerOptions:
     def __post_init__(self) -> None:
         if self.lease_s <= 0 or self.commit_rows < 1 or self.commit_interval_s <= 0 or self.max_attempts < 1:
             raise ConfigError("lease, commit interval and commit rows must be positive, max attempts >= 1")
-        check_policy(self.packing)
+        check_packing(self.packing)
 
 
 @dataclass
@@ -114,7 +116,7 @@ class Worker:
             q.register_worker(session, self.worker_id)
         heartbeat = Heartbeat(self.store, self.worker_id, self.options.lease_s)
         heartbeat.start()
-        restore = on_stop_signals(self.stop, lambda: self._stop_requested is not None, self.options.drain_timeout_s)
+        restore = on_stop_signals(self._on_signal, lambda: self._stop_requested is not None)
         error: BaseException | None = None
         try:
             while self._stop_requested is None:
@@ -146,6 +148,11 @@ class Worker:
             self.summary.stopped_by = reason
             self._stop_time = time.monotonic()
 
+    def _on_signal(self, name: str) -> None:
+        self.stop(name)
+        log.warning("bulkgen: %s: finishing running requests (up to %.0fs), then stopping; "
+                    "Ctrl-C again to stop at once", name, self.options.drain_timeout_s)
+
     def _runnable_jobs(self) -> list[Job]:
         with self.store.session_scope(write=True) as session:
             dead = q.dead_local_workers(session)
@@ -162,48 +169,63 @@ class Worker:
 
     def _serve(self, jobs: list[Job]) -> int:
         """Run the jobs of one model until none of their requests is pending (or a stop). Returns how many
-        requests it claimed."""
+        requests it claimed. Each turn: stop (drain) or claim if due, step, commit if due, drop the lost."""
         engine = self._engine(jobs[0].model_path)
         self._say_start(engine, jobs)
-        preemptions_before, generated = engine.stats.num_preemptions, engine.stats.num_output_tokens
+        preemptions_before = engine.stats.num_preemptions
         params = {job.id: SamplingParams.from_dict(job.spec["sampling"]) for job in jobs}
         job_ids = [job.id for job in jobs]
         self.summary.job_ids.update(job_ids)
-        target, next_sizing, next_claim, claimed = 0, 0.0, 0.0, 0
-        next_check = time.monotonic() + self.options.lease_s / 4
+        pace = _Pace(next_check=time.monotonic() + self.options.lease_s / 4)
+        claimed = 0
         while True:
             now = time.monotonic()
             if self._stop_requested is not None:
                 self._drain(engine)
                 if not engine.has_unfinished():
                     break
-            elif now >= next_claim:
-                if now >= next_sizing:
-                    target, next_sizing = self._claim_target(engine, job_ids), now + SIZING_INTERVAL_S
-                if self.writer.num_held >= target and not engine.has_unfinished():
-                    self._write(job_ids)  # all it holds has finished: commit to make room
-                got = self._claim(engine, job_ids, params, target - self.writer.num_held) \
-                    if self.writer.num_held < target else -1
-                claimed += max(got, 0)
-                if got == 0:
-                    next_claim = next_sizing = now + self.options.poll_s  # nothing pending; look again later
+            elif now >= pace.next_claim:
+                claimed += self._claim_if_due(engine, job_ids, params, pace, now)
             if engine.has_unfinished():
-                self.writer.collect(engine.step())
-                self.num_generated += engine.stats.num_output_tokens - generated
-                if self._progress is not None:
-                    self._progress.generated(engine.stats.num_output_tokens - generated)
-                generated = engine.stats.num_output_tokens
-            elif self._stop_requested is None and now < next_claim:
+                self._step(engine)
+            elif self._stop_requested is None and now < pace.next_claim:
                 break  # the engine is idle and the queue had nothing: these jobs are done
             if self.writer.is_due():
                 self._write(job_ids)
-            if time.monotonic() >= next_check:
-                next_check = time.monotonic() + self.options.lease_s / 4
-                for request_id in self.writer.lost():  # cancelled, or its lease expired
-                    engine.abort(request_id)
+            self._drop_lost(engine, pace)
         self._write(job_ids)
         self.summary.num_preemptions += engine.stats.num_preemptions - preemptions_before
         return claimed
+
+    def _claim_if_due(self, engine: EngineProtocol, job_ids: list[int], params: dict[int, SamplingParams],
+                      pace: _Pace, now: float) -> int:
+        """Claim up to the target (sized again every SIZING_INTERVAL_S); found nothing pending: look again
+        after poll_s. Returns how many requests it claimed."""
+        if now >= pace.next_sizing:
+            pace.target, pace.next_sizing = self._claim_target(engine, job_ids), now + SIZING_INTERVAL_S
+        if self.writer.num_held >= pace.target and not engine.has_unfinished():
+            self._write(job_ids)  # all it holds has finished: commit to make room
+        if self.writer.num_held >= pace.target:
+            return 0  # holding enough: nothing to look for now
+        claimed = self._claim(engine, job_ids, params, pace.target - self.writer.num_held)
+        if claimed == 0:
+            pace.next_claim = pace.next_sizing = now + self.options.poll_s
+        return claimed
+
+    def _step(self, engine: EngineProtocol) -> None:
+        before = engine.stats.num_output_tokens
+        self.writer.collect(engine.step())
+        generated = engine.stats.num_output_tokens - before
+        self.num_generated += generated
+        if self._progress is not None:
+            self._progress.generated(generated)
+
+    def _drop_lost(self, engine: EngineProtocol, pace: _Pace) -> None:
+        """Every quarter lease: abort what this worker no longer holds (cancelled, or its lease expired)."""
+        if time.monotonic() >= pace.next_check:
+            pace.next_check = time.monotonic() + self.options.lease_s / 4
+            for request_id in self.writer.lost():
+                engine.abort(request_id)
 
     def _claim_target(self, engine: EngineProtocol, job_ids: list[int]) -> int:
         """How many requests to hold: what the engine can run at once (its KV cache over the pending
@@ -223,10 +245,8 @@ class Worker:
         self.writer.hold(claimed)
         for request in claimed:
             try:
-                sampling = params[request.job_id].replace(max_new_tokens=request.max_new_tokens, seed=request.seed)
-                own = (request.params or {}).get("sampling")
-                if own:
-                    sampling = SamplingParams.from_dict({**sampling.to_dict(), **own})
+                sampling = request_sampling(params[request.job_id], (request.params or {}).get("sampling"),
+                                            max_new_tokens=request.max_new_tokens, seed=request.seed)
                 engine.add(request.id, unpack_ids(request.prompt_token_ids), sampling)
             except (PromptTooLongError, ConfigError) as exc:  # a request's own settings checked at submit too
                 self.writer.fail(request.id, str(exc))
@@ -292,6 +312,16 @@ class Worker:
                              f"{totals.num_requests:,} done")
 
 
+@dataclass
+class _Pace:
+    """When a serving worker next does what it does now and then (monotonic seconds)."""
+
+    target: int = 0  # requests to hold
+    next_sizing: float = 0.0  # when to size the target again
+    next_claim: float = 0.0  # when to look at the queue again
+    next_check: float = 0.0  # when to look for requests lost to a cancel or an expired lease
+
+
 def claim_target(max_num_seqs: int, kv_tokens: int, shape: q.QueueShape) -> int:
     """Requests a worker should hold (see Worker._claim_target)."""
     running_capacity = min(max_num_seqs, max(1, int(kv_tokens / max(shape.mean_tokens, 1.0))))
@@ -300,8 +330,7 @@ def claim_target(max_num_seqs: int, kv_tokens: int, shape: q.QueueShape) -> int:
 
 
 def _default_engine(model_path: str, config: EngineConfig, kv_admission: bool = True,
-                    policy: str = "lpt") -> EngineProtocol:
-    from bulkgen.engine.engine import Engine
-    from bulkgen.packing import admission_for
+                    packing: str = DEFAULT_PACKING) -> EngineProtocol:
+    from bulkgen.engine.engine import Engine  # here: the worker imports without torch (a bench queue needs none)
 
-    return Engine(model_path, config, admission=admission_for(policy, kv_admission))
+    return Engine(model_path, config, admission=admission_for(packing, kv_admission))

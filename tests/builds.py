@@ -9,7 +9,7 @@ import platform
 
 import pytest
 
-from bulkgen.engine.kernels import load_cpu_kernels
+from bulkgen.engine.cpu.kernels import load_cpu_kernels
 
 if platform.machine() in ("x86_64", "AMD64"):
     BUILDS = {"native": (), "no-avx512bf16": ("-mno-avx512bf16",), "no-avx512": ("-mno-avx512f",),

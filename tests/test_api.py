@@ -67,3 +67,18 @@ def test_tables_conversations_and_errors(tmp_path: Path, db_url: str, tiny_model
         bulkgen.submit(tmp_path / "missing.parquet", db=db_url)
     with pytest.raises(bulkgen.NotFoundError):
         bulkgen.Job(999, db_url).status()
+
+
+def test_the_in_memory_stage_checks_columns_as_submit_does(db_url: str, tiny_model_dir: Path) -> None:
+    """A table without the prompt column, or with one of numbers, is refused with submit's words
+    (InputError naming the flag and the columns), not a pyarrow KeyError."""
+    from bulkgen.api import Generate
+
+    stage = Generate(model=str(tiny_model_dir), prompt_column="question", sampling={"max_new_tokens": 2},
+                     engine={"kv_cache_memory": "16MiB"})
+    with pytest.raises(bulkgen.InputError, match=r"has no column 'question' \(--prompt-column\); its columns are: "
+                                                 "prompt"):
+        stage(pa.table({"prompt": ["a"]}))
+    with pytest.raises(bulkgen.InputError, match="holds int64, not text"):
+        stage(pa.table({"question": [1, 2]}))
+    assert stage(pa.table({"question": ["a b"]})).column("finish_reason").to_pylist() == ["length"]

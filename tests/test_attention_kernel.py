@@ -10,12 +10,12 @@ from bulkgen.engine.attention import (
     AttentionMetadata,
     PrefillChunk,
     attend,
-    decode_c,
     decode_torch,
     gather_k,
     k_block_shape,
     write_kv,
 )
+from bulkgen.engine.cpu.attention import decode_c
 from tests.builds import HAS_AVX512_BF16, builds, kernel
 
 
@@ -107,8 +107,9 @@ def test_prefill_through_kernel_matches_torch(build: str, dtype: torch.dtype, he
         v = torch.zeros(num_blocks, kv_heads, block_size, head_dim, dtype=dtype)
         cached = slots_all[:start]
         if start:
-                write_kv(AttentionMetadata([k], [v], cached, cached // block_size, cached % block_size, 0, None, None, 0,
-                                       []), keys[:start], values[:start], k, v)
+                meta = AttentionMetadata([k], [v], cached, cached // block_size, cached % block_size, 0, None, None,
+                                         0, [])
+                write_kv(meta, keys[:start], values[:start], k, v)
         chunk = PrefillChunk(offset=0, num_tokens=num_tokens, start=start)
         if start:
             chunk.context_blocks, chunk.context_offsets = slots_all // block_size, slots_all % block_size

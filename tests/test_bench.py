@@ -111,6 +111,25 @@ def test_queue_bench_runs_workers_through_the_real_store(make_db, tmp_path: Path
         assert session.scalar(select(func.count()).select_from(Result)) == 600
         assert session.scalar(select(func.max(Request.attempts))) == 1
     assert "--workers takes worker counts" in invoke("bench", "--queue", "--workers", "0", expect=2).output
+    # the same through the bench group's own command
+    again = tmp_path / "queue2.json"
+    invoke("bench", "queue", "--workers", "1", "--queue-requests", "200", "--db", make_db("queue2"), "--json", again)
+    assert [r["requests"] for r in json.loads(again.read_text())["queue"]] == [200]
+    assert "--workers takes worker counts" in invoke("bench", "queue", "--workers", "x", expect=2).output
+
+
+def test_bench_group_names_and_todays_flags_make_the_same_workload(tmp_path: Path) -> None:
+    """`bench make-workload N FILE` and today's `bench --make-workload N FILE` write the same rows; `bench`
+    with a file and no command name is `bench compare`; a bad workload path is one line, exit 2."""
+    invoke("bench", "make-workload", "6", tmp_path / "a.parquet", "--seed", "3")
+    invoke("bench", "--make-workload", "6", tmp_path / "b.parquet", "--seed", "3")
+    assert pq.read_table(tmp_path / "a.parquet").equals(pq.read_table(tmp_path / "b.parquet"))
+    assert pq.read_table(tmp_path / "a.parquet").num_rows == 6
+    helps = invoke("bench", "--help").output
+    assert all(name in helps for name in ("compare", "suite", "queue", "make-workload"))
+    missing = invoke("bench", tmp_path / "nope.parquet", expect=2).output
+    assert "does not exist" in missing
+    assert invoke("bench", "compare", tmp_path / "nope.parquet", expect=2).output == missing
 
 
 FAKE_VLLM = '''"""A stand-in for vLLM with its interface: records what it was asked, returns budget-long outputs."""

@@ -1,5 +1,5 @@
-"""The C versions of RMSNorm (+ residual add), SiLU-and-multiply, RoPE, argmax, the sampler's candidates and the linear layers
-against the torch code of Hugging Face's modules they replace, in every build (native, without
+"""The C versions of RMSNorm (+ residual add), SiLU-and-multiply, RoPE, argmax, the sampler's candidates
+and the linear layers against the torch code of Hugging Face's modules they replace, in every build (native, without
 AVX512-BF16, without AVX-512, x86-64 baseline)."""
 
 from __future__ import annotations
@@ -8,8 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bulkgen.engine.forward import GatedLinear, Linear, Ops, fused, onednn_takes, rms_norm_torch, rotate
+from bulkgen.engine.cpu.ops import Ops
 from bulkgen.engine.grammar import mask_logits
+from bulkgen.engine.layers import GatedLinear, Linear, fused, onednn_takes, rms_norm_torch, rotate
 from tests.builds import HAS_AVX512_BF16, builds, kernel
 
 # float32: a K=576 reduction summed in another order differs by a few ulps of its largest terms (~1e-6)
@@ -89,10 +90,11 @@ def _candidates_by_torch(logits: torch.Tensor, cut: int, inverse_t: torch.Tensor
 @pytest.mark.parametrize(("vocab", "cut"), [(49152, 256), (49152, 4096), (1001, 256), (100, 100)])
 def test_sampler_candidates_are_torchs_topk_by_value_then_id(build: str, vocab: int, cut: int) -> None:
     """The sampler's one pass (csrc/sampling.c): each row's best `cut` logits and ids as a stable sort of the
-    whole row gives them (by value, ties by token id: torch's topk picks among ties at its edge), their order by id, the row's max and the log of
-    its normaliser at the row's temperature; masked rows (fewer finite logits than the cut), ties across
-    the cut's edge, rows a filter picks out (index), strided rows, vocabularies that are no multiple of a
-    vector, cuts wider than pass 1's groups; a row holding NaN or +inf, or only -inf, reports that max."""
+    whole row gives them (by value, ties by token id: torch's topk picks among ties at its edge), their order by
+    id, the row's max and the log of its normaliser at the row's temperature; masked rows (fewer finite logits
+    than the cut), ties across the cut's edge, rows a filter picks out (index), strided rows, vocabularies that
+    are no multiple of a vector, cuts wider than pass 1's groups; a row holding NaN or +inf, or only -inf,
+    reports that max."""
     ops = _ops(torch.float32, build)
     gen = torch.Generator().manual_seed(vocab + cut)
     logits = torch.randn(12, vocab + 3, generator=gen)[:, :vocab] * 3  # strided rows
@@ -167,7 +169,8 @@ def test_linear_float32_kernel_is_batch_invariant(build: str) -> None:
     assert torch.equal(linear(x[:18]), alone[:18])
 
 
-@pytest.mark.skipif(not HAS_AVX512_BF16, reason="the bfloat16 linear kernel needs AVX512-BF16 (oneDNN runs it otherwise)")
+@pytest.mark.skipif(not HAS_AVX512_BF16,
+                    reason="the bfloat16 linear kernel needs AVX512-BF16 (oneDNN runs it otherwise)")
 @pytest.mark.parametrize("rows", [1, 4, 18, 130])
 @pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (100, 64), (49, 1538)])
 @pytest.mark.parametrize("with_bias", [False, True])

@@ -14,16 +14,23 @@ import pytest
 import torch
 
 from bulkgen.config import KERNEL_FAMILIES, EngineConfig, parse_kernels
-from bulkgen.engine import cpu, cpu_paths
+from bulkgen.engine.cpu import machine as cpu
+from bulkgen.engine.cpu import paths as cpu_paths
 from bulkgen.engine.engine import Engine
 from bulkgen.errors import ConfigError
+from bulkgen.model import ModelShape
 from tests.builds import BUILDS, HAS_AVX512_BF16, kernel
 from tests.helpers import invoke_json, write_parquet
 
-SMOL = cpu_paths.ModelShape(hidden=576, intermediate=1536, num_heads=9, num_kv_heads=3, head_dim=64, block_size=32,
-                            lean=True)
-TINY = cpu_paths.ModelShape(hidden=64, intermediate=128, num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
-                            lean=True)
+SMOL = ModelShape(num_layers=30, hidden=576, intermediate=1536, num_heads=9, num_kv_heads=3, head_dim=64, vocab=49152,
+                  layer_types=("full_attention",) * 30)
+TINY = ModelShape(num_layers=2, hidden=64, intermediate=128, num_heads=4, num_kv_heads=2, head_dim=64, vocab=32000,
+                  layer_types=("full_attention",) * 2)
+
+
+def choose(build, dtype: torch.dtype, shape: ModelShape, forced: dict[str, str], forced_by: str,
+           lean: bool = True) -> cpu_paths.CpuPaths:
+    return cpu_paths.choose(build, dtype, shape, 32 if shape is SMOL else 16, lean, forced, forced_by, "")
 
 
 def test_kernels_spec() -> None:
@@ -41,7 +48,7 @@ def test_kernels_spec() -> None:
 
 def test_measured_once_then_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("BULKGEN_CACHE", str(tmp_path))
-    paths = cpu_paths.choose(kernel(), torch.float32, TINY, {}, "test", "")
+    paths = choose(kernel(), torch.float32, TINY, {}, "test")
     assert paths.note.startswith("measured on this machine now")
     (cached,) = (tmp_path / "kernels").glob("paths-*.json")
     timings = json.loads(cached.read_text())
@@ -51,37 +58,37 @@ def test_measured_once_then_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         assert paths.families[family].use_c == (c_s <= torch_s), "the faster path runs (C on a tie)"
         assert paths.families[family].reason.startswith("measured: ")
         assert (paths.c(family) is not None) == paths.families[family].use_c
-    again = cpu_paths.choose(kernel(), torch.float32, TINY, {}, "test", "")
+    again = choose(kernel(), torch.float32, TINY, {}, "test")
     assert "cached" in again.note and again.families == paths.families
-    other = cpu_paths.choose(kernel(), torch.float32, SMOL, {}, "test", "")  # other shapes: measured anew
-    assert other.note.startswith("measured on this machine now") and len(list((tmp_path / "kernels").glob("*.json"))) == 2
+    other = choose(kernel(), torch.float32, SMOL, {}, "test")  # other shapes: measured anew
+    assert other.note.startswith("measured on this machine now")
+    assert len(list((tmp_path / "kernels").glob("*.json"))) == 2
 
 
 def test_forced_paths_and_what_c_cannot_take(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("BULKGEN_CACHE", str(tmp_path))
-    forced = cpu_paths.choose(kernel(), torch.float32, TINY, dict.fromkeys(KERNEL_FAMILIES, "c"), "--kernels c", "")
+    forced = choose(kernel(), torch.float32, TINY, dict.fromkeys(KERNEL_FAMILIES, "c"), "--kernels c")
     assert all(p.use_c and p.reason == "forced by --kernels c" for p in forced.families.values())
     assert not list(tmp_path.glob("kernels/*.json")), "nothing measured when everything is forced"
-    mixed = cpu_paths.choose(kernel(), torch.float32, TINY, {"linear": "torch"}, "--kernels linear=torch", "")
+    mixed = choose(kernel(), torch.float32, TINY, {"linear": "torch"}, "--kernels linear=torch")
     assert not mixed.families["linear"].use_c and mixed.families["linear"].reason == "forced by --kernels linear=torch"
     assert all(mixed.families[f].reason.startswith("measured") for f in KERNEL_FAMILIES if f != "linear")
     # float16: no C kernel of the model's takes it; asking for one says why (the sampler reads float32 logits)
-    half = cpu_paths.choose(kernel(), torch.float16, TINY, {}, "test", "")
+    half = choose(kernel(), torch.float16, TINY, {}, "test")
     assert not any(p.use_c for f, p in half.families.items() if f != "sampler")
     assert "not float16" in half.families["linear"].reason and half.families["sampler"].reason.startswith("measured")
     with pytest.raises(ConfigError, match="asks for small_ops in C, but the C kernels take float32 and bfloat16"):
-        cpu_paths.choose(kernel(), torch.float16, TINY, {"small_ops": "c"}, "--kernels small_ops=c", "")
+        choose(kernel(), torch.float16, TINY, {"small_ops": "c"}, "--kernels small_ops=c")
     # the C bfloat16 linear layers need AVX512-BF16: a build without it declines them, forced or not
     for build in BUILDS:
         if build == "native" and HAS_AVX512_BF16:
             continue
-        bf16 = cpu_paths.choose(kernel(build), torch.bfloat16, TINY, {"attention": "c"}, "test", "")
+        bf16 = choose(kernel(build), torch.bfloat16, TINY, {"attention": "c"}, "test")
         assert not bf16.families["linear"].use_c and "AVX512-BF16" in bf16.families["linear"].reason
         with pytest.raises(ConfigError, match="linear in C, but the C bfloat16 linear layers need AVX512-BF16"):
-            cpu_paths.choose(kernel(build), torch.bfloat16, TINY, {"linear": "c"}, "--kernels c", "")
+            choose(kernel(build), torch.bfloat16, TINY, {"linear": "c"}, "--kernels c")
     # the lean forward not running: the linear families are not used, whatever is asked
-    hf = cpu_paths.choose(kernel(), torch.float32, cpu_paths.ModelShape(**{**TINY.__dict__, "lean": False}),
-                          dict.fromkeys(KERNEL_FAMILIES, "c"), "--kernels c", "")
+    hf = choose(kernel(), torch.float32, TINY, dict.fromkeys(KERNEL_FAMILIES, "c"), "--kernels c", lean=False)
     assert not hf.families["linear"].use_c and hf.families["linear"].reason.startswith("not used")
     assert hf.families["decode_attention"].use_c
 

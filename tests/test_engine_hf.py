@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from bulkgen.config import EngineConfig, SamplingParams
-from bulkgen.engine.cpu import ALLOW_SLOW_DTYPE_ENV
+from bulkgen.engine.cpu.kernels import CFLAGS_ENV
+from bulkgen.engine.cpu.machine import ALLOW_SLOW_DTYPE_ENV
 from bulkgen.engine.engine import Engine
-from bulkgen.engine.kernels import CFLAGS_ENV
 from bulkgen.errors import ConfigError
 from tests import helpers
 from tests.builds import HAS_AVX512_BF16
@@ -73,8 +73,9 @@ def test_greedy_equals_hf_generate(models, family: str, setting: str, path: str,
     engine = Engine(model_dir, config)
     assert (engine.runner.forward is not None) == lean
     c_families = {name for name, p in engine.runner.paths.families.items() if p.use_c}
-    assert c_families == ({"decode_attention", "prefill_attention", "small_ops", "sampler"} | ({"linear", "gated_mlp"} if lean
-                          else set()) if kernels == "c" else set()), engine.runner.paths.lines()
+    linear = {"linear", "gated_mlp"} if lean else set()
+    in_c = {"decode_attention", "prefill_attention", "small_ops", "sampler"} | linear if kernels == "c" else set()
+    assert c_families == in_c, engine.runner.paths.lines()
     # Shortest first under a tight cache: many sequences are admitted together, then all grow.
     order = sorted(range(len(WORKLOAD)), key=lambda i: len(WORKLOAD[i][0])) if setting == "tight-kv" \
         else range(len(WORKLOAD))
@@ -100,7 +101,7 @@ def test_greedy_equals_hf_generate(models, family: str, setting: str, path: str,
 def test_default_model_matches_hf_generate(default_model_dir: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    from bulkgen.resolve import load_tokenizer
+    from bulkgen.model import load_tokenizer
 
     tok = load_tokenizer(default_model_dir)
     questions = ["What is the capital of France?", "Write a haiku about the sea.",

@@ -15,7 +15,7 @@ import torch
 from bulkgen.config import EngineConfig, SamplingParams
 from bulkgen.engine.engine import Engine
 from bulkgen.errors import ModelError, PromptTooLongError
-from bulkgen.resolve import sliding_window
+from bulkgen.model import sliding_window
 from bulkgen.store import open_store
 from bulkgen.store.models import Request
 from tests.helpers import hf_greedy, invoke, invoke_json, write_parquet
@@ -82,7 +82,8 @@ def test_rows_past_the_window_fail_at_submit_and_the_rest_run(tmp_path: Path, db
     invoke("run", out["job_id"], "--kv-cache-memory", "4MiB", "--no-progress")
     store = open_store(db_url)
     with store.session_scope() as session:
-        rows = [(r.state, r.error) for r in session.query(Request).filter_by(job_id=out["job_id"]).order_by(Request.row)]
+        requests = session.query(Request).filter_by(job_id=out["job_id"]).order_by(Request.row)
+        rows = [(r.state, r.error) for r in requests]
     assert [state for state, _ in rows] == ["completed", "failed", "completed"]
     assert f"sliding window of {WINDOW} tokens, which bulkgen does not run yet" in rows[1][1]
     # a budget that leaves no prompt room in the window is a bad flag: refused before anything is written

@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 from bulkgen.errors import ModelError
-from bulkgen.resolve import DEFAULT_MODEL, load_tokenizer, model_limits, resolve_model
+from bulkgen.model import limits as model_limits
+from bulkgen.model import load_tokenizer
+from bulkgen.resolve import DEFAULT_MODEL, resolve_model
 
 
 def test_default_model_resolves_and_tokenizes_offline(default_model_dir: Path) -> None:
@@ -18,9 +20,9 @@ def test_default_model_resolves_and_tokenizes_offline(default_model_dir: Path) -
     assert (default_model_dir / ".bulkgen-complete").is_file()
     # A second resolution reuses the cache (converts nothing, rewrites nothing), in a process that cannot
     # reach any hub.
-    code = ("from bulkgen.resolve import *; "
+    code = ("from bulkgen.resolve import *; from bulkgen.model import limits, load_tokenizer; "
             "p = resolve_model(DEFAULT_MODEL).path; tok = load_tokenizer(p); "
-            "print(tok('The capital of France')['input_ids'], *model_limits(p))")
+            "print(tok('The capital of France')['input_ids'], *limits(p))")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HTTPS_PROXY": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9"}
     weights = default_model_dir / "model.safetensors"
     before = weights.stat().st_mtime_ns

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from bulkgen.config import EngineConfig, SamplingParams
+from bulkgen.engine.cpu.ops import Ops
 from bulkgen.engine.engine import Engine
-from bulkgen.engine.forward import Ops
 from bulkgen.engine.sampler import sample_row
 from tests.builds import kernel
 

@@ -188,7 +188,8 @@ def test_a_sampled_constrained_job_killed_and_resumed_equals_an_uninterrupted_ru
         rng = random.Random(0)
         prompts = [" ".join(rng.choice(["cat", "dog", "owl", "fox"]) for _ in range(rng.randint(2, 30)))
                    for _ in range(NUM_ROWS)]
-        data = write_parquet(folder / "in.parquet", {"prompt": prompts, "schema": [SCHEMA_TEXT, None] * (NUM_ROWS // 2)})
+        schemas = [SCHEMA_TEXT, None] * (NUM_ROWS // 2)
+        data = write_parquet(folder / "in.parquet", {"prompt": prompts, "schema": schemas})
         return invoke_json("submit", data, "--model", tiny_model_dir, "--json-schema-column", "schema",
                            "--temperature", 0.8, "--top-p", 0.95, "--max-new-tokens", 16, "--db", db)["job_id"]
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-triton_attention = pytest.importorskip("bulkgen.engine.triton_attention")
+triton_attention = pytest.importorskip("bulkgen.engine.gpu.attention")
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
 DEVICE = "cpu" if triton_attention.INTERPRET or not torch.cuda.is_available() else "cuda"
@@ -114,9 +114,9 @@ def test_prefill_chunks_in_one_launch_match_torch(dtype: torch.dtype, group: int
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_small_ops_match_hugging_faces_torch_code(dtype: torch.dtype) -> None:
     """RMSNorm (+ residual, in place), RoPE (in place, q's and k's heads of a fused qkv) and SiLU-mul in
-    Triton against forward.Ops' torch path (Hugging Face's code): bfloat16 rounded at the same points."""
-    from bulkgen.engine.forward import Ops
-    from bulkgen.engine.triton_ops import TritonOps
+    Triton against cpu/ops.Ops' torch path (Hugging Face's code): bfloat16 rounded at the same points."""
+    from bulkgen.engine.cpu.ops import Ops
+    from bulkgen.engine.gpu.ops import TritonOps
 
     torch.manual_seed(3)
     ops, ref = TritonOps(), Ops(None, dtype)
@@ -134,7 +134,7 @@ def test_small_ops_match_hugging_faces_torch_code(dtype: torch.dtype) -> None:
     cos, sin = (torch.cat([f(angles)] * 2, dim=-1).to(dtype) for f in (torch.cos, torch.sin))
     want = qkv.clone()
     rotated = want[:, :(heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim)
-    from bulkgen.engine.forward import rotate
+    from bulkgen.engine.layers import rotate
 
     rotated.copy_(rotate(rotated.clone(), cos, sin))
     assert ops.rope(qkv, heads + kv_heads, head_dim, cos, sin) is qkv

@@ -152,7 +152,7 @@ def test_export_of_a_running_job_writes_what_is_committed(tmp_path: Path, db_url
     job_id = submit(tmp_path, tiny_model_dir, PROMPTS[:5], "--max-new-tokens", 4)
     store = open_store(db_url)
     with store.session_scope(write=True) as session:
-        claimed = q.claim(session, "w", [job_id], 2, lease_s=60, order="fifo")
+        claimed = q.claim(session, "w", [job_id], 2, lease_s=60, packing="fifo")
         q.commit_results(session, "w", [{"request_id": c.id, "job_id": job_id, "text": f"out {c.row}",
                                          "token_ids": b"", "finish_reason": "length", "num_prompt_tokens": 3,
                                          "num_output_tokens": 4} for c in claimed[:1]], [])

@@ -205,7 +205,8 @@ def test_sigterm_drains_commits_and_releases(tmp_path: Path, tiny_model_dir: Pat
     assert invoke_json("status", job_id, "--db", db)["counts"]["completed"] == NUM_ROWS
 
 
-def test_two_workers_share_the_queue_without_doing_anything_twice(tmp_path: Path, tiny_model_dir: Path, make_db) -> None:
+def test_two_workers_share_the_queue_without_doing_anything_twice(tmp_path: Path, tiny_model_dir: Path,
+                                                                  make_db) -> None:
     db = make_db("two")
     job_id = make_job(tmp_path, tiny_model_dir, db)
     # leases long enough to outlast make_two_work's pause: a paused worker's requests stay its own
@@ -226,7 +227,8 @@ def test_two_workers_share_the_queue_without_doing_anything_twice(tmp_path: Path
     assert invoke_json("status", job_id, "--db", db)["status"] == "completed"
 
 
-def test_cancel_during_a_run_stops_the_worker_taking_its_requests(tmp_path: Path, tiny_model_dir: Path, make_db) -> None:
+def test_cancel_during_a_run_stops_the_worker_taking_its_requests(tmp_path: Path, tiny_model_dir: Path,
+                                                                  make_db) -> None:
     db = make_db("cancel")
     num_rows = 1200  # the run stops at the cancel: rows past it cost only their submit, and keep work left
     job_id = make_job(tmp_path, tiny_model_dir, db, num_rows=num_rows, max_new=64)

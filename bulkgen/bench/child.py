@@ -8,14 +8,24 @@ from __future__ import annotations
 
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from sqlalchemy import select
 
+from bulkgen.bench.suite import NullTokenizer, build_model, decode_roofline, measure_device
 from bulkgen.bench.workload import Workload
+from bulkgen.config import EngineConfig, SamplingParams
+from bulkgen.engine.engine import Engine
 from bulkgen.engine.runner import TORCH_DTYPES
+from bulkgen.packing import admission_for, order
+from bulkgen.store import jobs as job_ops
+from bulkgen.store import open_store
+from bulkgen.store.models import DEFAULT_PACKING, Request, Result, unpack_ids
+from bulkgen.worker import Worker, WorkerOptions
 
 
 def _sampling(spec: dict[str, Any], i: int) -> dict[str, Any]:
@@ -26,26 +36,20 @@ def _sampling(spec: dict[str, Any], i: int) -> dict[str, Any]:
 
 
 def run_bulkgen(spec: dict[str, Any], workload: Workload) -> dict[str, Any]:
-    from bulkgen.config import EngineConfig, SamplingParams
-    from bulkgen.engine.engine import Engine
-    from bulkgen.packing import admission_for, order
-
     config = EngineConfig(**spec["engine_config"])
-    admission = admission_for(spec.get("policy", "lpt"), spec.get("kv_admission", True))
+    admission = admission_for(spec.get("packing", DEFAULT_PACKING), spec.get("kv_admission", True))
     if "suite_model" in spec:  # bench --suite: random weights from a config, the same in every engine's process
-        from bulkgen.bench.suite import NullTokenizer
-
         model = _load_model(spec)
         engine = Engine(model, config, tokenizer=NullTokenizer(), admission=admission)
     else:
         engine = Engine(spec["model"], config, admission=admission)
     engine.stats.keep_steps = True
-    items = order(list(range(len(workload.prompts))), spec.get("policy", "lpt"),
+    items = order(list(range(len(workload.prompts))), spec.get("packing", DEFAULT_PACKING),
                   prompt_len=lambda i: len(workload.prompts[i]), max_new=lambda i: workload.max_new_tokens[i])
     _warm_up(engine)
     schema = json.dumps(spec["json_schema"]) if spec.get("json_schema") else None
     if schema is not None:
-        engine.grammars.check(schema)  # compiled once before the clock starts, as submit does
+        engine.constraints.matcher(schema)  # compiled once before the clock starts, as submit does
     start = time.perf_counter()
     for i in items:
         engine.add(i, workload.prompts[i], SamplingParams(max_new_tokens=workload.max_new_tokens[i], ignore_eos=True,
@@ -97,8 +101,6 @@ def _decode_roofline(spec: dict[str, Any], engine: Any, steps: list[Any]) -> dic
     """For bench --suite: the decode step at the largest batch against its roofline on this device."""
     if "suite_model" not in spec or not steps:
         return None
-    from bulkgen.bench.suite import decode_roofline, measure_device
-
     rows = [[s.time, s.num_batched_tokens, s.num_decode_tokens, s.num_seqs, s.kv_usage, s.num_context_tokens]
             for s in steps]
     return decode_roofline(rows, engine.runner.model, measure_device(engine.runner.device, engine.runner.dtype))
@@ -112,43 +114,32 @@ def _load_model(spec: dict[str, Any]) -> Any:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = TORCH_DTYPES[spec["dtype"]]
     if "suite_model" in spec:
-        from bulkgen.bench.suite import build_model
-
         model = build_model(spec["suite_model"], dtype, device)
         model.generation_config.pad_token_id = 0
         return model
-    return AutoModelForCausalLM.from_pretrained(spec["model"], dtype=dtype, attn_implementation="sdpa").to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=dtype, attn_implementation="sdpa")
+    return model.to(device).eval()
 
 
 def run_bulkgen_store(spec: dict[str, Any], workload: Workload) -> dict[str, Any]:
     """The same requests end to end through the job store: queued in SQLite, run by a worker (claims,
     leases, heartbeats, commits), read back. The requests are written with the workload's own token
     ids, so the outputs compare with the engine's."""
-    import tempfile
 
-    from sqlalchemy import select
 
-    from bulkgen.config import EngineConfig, SamplingParams
-    from bulkgen.store import jobs as job_ops
-    from bulkgen.store import open_store
-    from bulkgen.store.models import Request, Result, pack_ids, unpack_ids, utcnow
-    from bulkgen.worker import Worker, WorkerOptions
 
     model_path = str(Path(spec["model"]).resolve())
     with tempfile.TemporaryDirectory() as tmp:
         store = open_store(f"sqlite:///{tmp}/bench.db")
         sampling = SamplingParams(ignore_eos=True, **{**_sampling(spec, 0), "seed": 0})
         with store.session_scope(write=True) as session:
-            job_id = job_ops.create_job(session, name="bench", model=model_path, model_path=model_path,
-                                        input_path="-", input_fingerprint="-", input_columns=[],
-                                        spec={"sampling": sampling.to_dict()}).id
+            job_id = job_ops.new_job(session, name="bench", model=model_path, model_path=model_path,
+                                     spec={"sampling": sampling.to_dict()})
             job_ops.insert_requests(session, [
-                {"job_id": job_id, "row": i, "sample": 0, "prompt_token_ids": pack_ids(p),
-                 "num_prompt_tokens": len(p), "max_new_tokens": n, "seed": i, "state": "pending", "attempts": 0,
-                 "updated_at": utcnow()}
+                job_ops.request_row(job_id, i, 0, p, n, seed=i)
                 for i, (p, n) in enumerate(zip(workload.prompts, workload.max_new_tokens, strict=True))])
             job_ops.open_job(session, job_id, len(workload.prompts))
-        options = WorkerOptions(job_ids=(job_id,), progress=False, packing=spec.get("policy", "lpt"),
+        options = WorkerOptions(job_ids=(job_id,), progress=False, packing=spec.get("packing", DEFAULT_PACKING),
                                 kv_admission=spec.get("kv_admission", True))
         worker = Worker(store, EngineConfig(**spec["engine_config"]), options)
         engine = worker._engine(model_path)  # loaded outside the timed span
@@ -246,8 +237,6 @@ def run_hf_cb(spec: dict[str, Any], workload: Workload) -> dict[str, Any]:
 
 def _warm_up(engine: Any) -> None:
     """One tiny request, so first-call costs (kernel build, allocator) stay out of the timed span."""
-    from bulkgen.config import SamplingParams
-
     list(engine.generate([[100, 101, 102, 103]], SamplingParams(max_new_tokens=2, ignore_eos=True)))
     engine.stats.steps.clear()
     engine.stats.num_preemptions = engine.scheduler.num_preemptions = 0

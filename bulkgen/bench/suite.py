@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from bulkgen.bench.workload import Workload
+from bulkgen.model import ModelShape
 
 LLAMA3_ROPE = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8192}
@@ -141,13 +142,12 @@ def decode_roofline(steps: list[list[Any]], model: Any, device_info: dict[str, f
     batch = max(b for b, _, _ in durations)
     at_batch = sorted((d, ctx) for b, d, ctx in durations if b >= 0.9 * batch)
     seconds, context = at_batch[len(at_batch) // 2]
-    config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    shape = ModelShape.of(model.config)
     element = next(model.parameters()).element_size()
-    gathered = 0 if config.tie_word_embeddings else model.get_input_embeddings().weight.numel()
+    gathered = 0 if model.config.tie_word_embeddings else model.get_input_embeddings().weight.numel()
     weight_params = sum(p.numel() for p in model.parameters()) - gathered  # the embedding table is only gathered
-    kv_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * element * context
-    flops = 2 * weight_params * batch + 4 * config.num_hidden_layers * config.num_attention_heads * head_dim * context
+    kv_bytes = shape.kv_bytes_per_token(str(next(model.parameters()).dtype).removeprefix("torch.")) * context
+    flops = 2 * weight_params * batch + 4 * shape.num_layers * shape.num_heads * shape.head_dim * context
     memory_s = (weight_params * element + kv_bytes) / device_info["bytes_per_s"]
     compute_s = flops / device_info["flops_per_s"]
     roofline = max(memory_s, compute_s)

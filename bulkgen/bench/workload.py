@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bulkgen.errors import InputError
+from bulkgen.model import chat_prompt
 
 
 @dataclass
@@ -60,8 +61,7 @@ def from_parquet(path: Path, tokenizer, limit: int | None = None, prompt_column:
                else [max_new_tokens] * len(texts))
     ids = (table.column("id").to_pylist() if "id" in table.column_names else [str(i) for i in range(len(texts))])
     if chat:
-        texts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
-                                               tokenize=False) for t in texts]
+        texts = [chat_prompt(tokenizer, [{"role": "user", "content": t}]) for t in texts]
     prompts = tokenizer(texts, add_special_tokens=False)["input_ids"]
     return Workload(Path(path).name, [str(i) for i in ids], prompts, [int(b) for b in budgets], texts)
 
@@ -106,8 +106,7 @@ def make_workload(tokenizer, num_requests: int, out: Path, seed: int = 0) -> dic
         num_words = int(round(2 ** rng.uniform(4, 10)))
         start = rng.randrange(0, len(words) - num_words)
         instruction = f"{rng.choice(TASKS)}\n\n{' '.join(words[start:start + num_words])}"
-        text = tokenizer.apply_chat_template([{"role": "user", "content": instruction}], add_generation_prompt=True,
-                                             tokenize=False)
+        text = chat_prompt(tokenizer, [{"role": "user", "content": instruction}])
         rows["id"].append(f"req-{i:05d}")
         rows["prompt"].append(text)
         rows["max_new_tokens"].append(rng.randint(16, 256))

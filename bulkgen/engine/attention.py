@@ -2,10 +2,10 @@
 
 The runner flattens every scheduled token of every sequence into one ragged batch (batch size 1,
 no padding). The model computes q, k, v and RoPE as usual, then calls `attend` per layer (through
-`paged_attention_forward` for Hugging Face modules, directly from `forward.LlamaForward`), which
+`paged_attention_forward` for Hugging Face modules, directly from `llama.LlamaForward`), which
 writes the new K/V into the paged cache and attends:
 - decode tokens (one new token per sequence, placed first in the batch) in one batched call over
-  K/V read in place from their blocks: our C kernel on CPU, a gather + SDPA in torch elsewhere;
+  K/V read in place from their blocks: our C kernel on CPU (cpu/attention.py), a gather + SDPA in torch elsewhere;
 - prefill chunks one sequence at a time: on CPU through the same C kernel, tiles of query rows as
   decodes over the chunk's blocks, causal by context length; elsewhere with SDPA, causal over
   the chunk itself or, when earlier tokens are already cached (chunked prefill, prefix cache,
@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from bulkgen.engine.kernels import Kernels
+from bulkgen.engine.cpu.attention import decode_c, kernel_layout, prefill_c
+from bulkgen.engine.cpu.kernels import Kernels
 from bulkgen.errors import ModelError
 
 ATTENTION_NAME = "bulkgen_paged"
@@ -74,7 +75,7 @@ class AttentionMetadata:
     decode_max_context_len: int
     prefills: list[PrefillChunk] = field(default_factory=list)
     # The C kernels for decode attention, prefill attention and the KV write (None: torch); each family's
-    # path is chosen per machine (cpu_paths.py)
+    # path is chosen per machine (cpu/paths.py)
     decode_kernel: Kernels | None = None
     prefill_kernel: Kernels | None = None
     write_kernel: Kernels | None = None
@@ -140,7 +141,7 @@ def attend(meta: AttentionMetadata, layer: int, query: torch.Tensor, key: torch.
         if meta.prefill_kernel is not None and chunk.block_table is not None and kernel_layout(k_cache):
             # The query rows as decodes over the sequence's blocks (its K/V were just written), causal by
             # context length, in tiles of 4 rows (1.4-1.8x torch's flash kernel in float32 on AVX-512 CPUs;
-            # whether it runs on this one is measured, cpu_paths.py).
+            # whether it runs on this one is measured, cpu/paths.py).
             out[span] = prefill_c(meta, query[span], k_cache, v_cache, chunk, scale)
             continue
         q = query[span].transpose(0, 1).unsqueeze(0)  # [1, num_heads, n, head_dim]: 4-D takes torch's fused kernel
@@ -187,8 +188,8 @@ def write_kv(meta: AttentionMetadata, key: torch.Tensor, value: torch.Tensor, k_
 
 def _attend_triton(step: TritonStep, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
-    """The step's KV write, decode and prefill attention in three launches (triton_attention.py)."""
-    from bulkgen.engine import triton_attention
+    """The step's KV write, decode and prefill attention in three launches (gpu/attention.py)."""
+    from bulkgen.engine.gpu import attention as triton_attention  # here: triton is optional
 
     triton_attention.write_kv(key, value, step.slots, k_cache, v_cache)
     out = torch.empty_like(query)
@@ -219,62 +220,6 @@ def decode_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     return o[:, :, 0]  # [num_seqs, num_heads, head_dim]
 
 
-def kernel_layout(k_cache: torch.Tensor) -> bool:
-    """Whether the C kernels know this K layout: 4-byte groups of dims (float32 alone, bfloat16 in pairs)."""
-    return k_cache.shape[-1] * k_cache.element_size() == 4
-
-
-def decode_c(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             scale: float) -> torch.Tensor:
-    """Decode attention of the step's decoding sequences (q [num_decodes, num_heads, head_dim]) in C."""
-    tables = meta.decode_block_tables
-    return _paged_c(meta.decode_kernel, meta, q, k_cache, v_cache, tables, tables.stride(0),
-                    meta.decode_context_lens, meta.decode_max_context_len, scale)
-
-
-def prefill_c(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    chunk: PrefillChunk, scale: float) -> torch.Tensor:
-    """A prefill chunk's attention in C: rows in tiles sharing each K/V block load where the vectorised
-    kernel applies, else row by row (each row a decode with its own context length)."""
-    q32 = q.to(torch.float32).contiguous()
-    out = torch.empty_like(q32)
-    num_rows, num_heads, head_dim = q32.shape
-    _, num_kv_heads, block_size, _ = v_cache.shape
-    kernel = meta.prefill_kernel
-    function = kernel.paged_prefill_f32 if k_cache.dtype == torch.float32 else kernel.paged_prefill_bf16
-    status = function(q=q32.data_ptr(), k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr(),
-                      table=chunk.block_table.data_ptr(), start=chunk.start, n=num_rows, out=out.data_ptr(),
-                      num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
-                      scale=scale, num_threads=meta.num_threads)
-    if status == 1:
-        raise MemoryError("paged attention kernel could not allocate its scratch buffer")
-    if status == 2:
-        lens = torch.arange(chunk.start + 1, chunk.start + num_rows + 1, dtype=torch.int32)
-        return _paged_c(kernel, meta, q, k_cache, v_cache, chunk.block_table, 0, lens, chunk.start + num_rows,
-                        scale)
-    return out.to(q.dtype)
-
-
-def _paged_c(kernel: Kernels, meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor,
-             v_cache: torch.Tensor, tables: torch.Tensor, table_stride: int, context_lens: torch.Tensor,
-             max_context_len: int, scale: float) -> torch.Tensor:
-    """The C kernel: query row i ([rows, num_heads, head_dim]) attends to the first context_lens[i]
-    tokens of the blocks in row i of `tables` (table_stride 0: one table for every row)."""
-    q32 = q.to(torch.float32).contiguous()
-    out = torch.empty_like(q32)
-    num_rows, num_heads, head_dim = q32.shape
-    _, num_kv_heads, block_size, _ = v_cache.shape
-    function = kernel.paged_decode_f32 if k_cache.dtype == torch.float32 else kernel.paged_decode_bf16
-    failed = function(q=q32.data_ptr(), k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr(),
-                      block_tables=tables.data_ptr(), block_table_stride=table_stride,
-                      context_lens=context_lens.data_ptr(), out=out.data_ptr(), num_seqs=num_rows,
-                      num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
-                      max_context_len=max_context_len, scale=scale, num_threads=meta.num_threads)
-    if failed:
-        raise MemoryError("paged attention kernel could not allocate its scratch buffer")
-    return out.to(q.dtype)
-
-
 # The step's metadata, set by the runner around the model's forward on its own thread: not passed as a keyword
 # argument through the model, since some families' layers do not hand those on to the attention (StableLM's).
 _STEP = threading.local()
@@ -287,30 +232,6 @@ def step(meta: AttentionMetadata) -> Iterator[None]:
         yield
     finally:
         _STEP.meta = None
-
-
-# Layers that carry a state from token to token instead of (or beside) attention: state-space mixers,
-# linear attention, short convolutions, recurrences. The engine runs each step on the new tokens alone
-# (use_cache=False) and keeps only paged K/V, so such a layer would see no past at all.
-ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
-STATEFUL_MODULES = ("mamba", "gateddeltanet", "shortconv", "rwkv", "linearattention", "recurrent", "lstm")
-
-
-def unsupported_features(model: torch.nn.Module) -> str | None:
-    """What of the model our attention and KV cache do not compute yet (None: nothing). A model that
-    needs it is refused at load: run by bulkgen it would give other outputs than the model's."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    other = sorted(set(getattr(config, "layer_types", None) or ()) - set(ATTENTION_LAYER_TYPES))
-    stateful = sorted({type(m).__name__ for m in model.modules()
-                       if any(name in type(m).__name__.lower() for name in STATEFUL_MODULES)})
-    if other or stateful:
-        what = f"layers of type {', '.join(other)}" if other else f"{stateful[0]} layers"
-        return f"{what} (a state carried from token to token, which bulkgen's paged KV cache does not hold)"
-    if getattr(config, "attn_logit_softcapping", None) is not None:
-        return "attention logit softcapping (attn_logit_softcapping)"
-    if any(isinstance(getattr(m, "sinks", None), torch.nn.Parameter) for m in model.modules()):
-        return "attention sinks (a learned logit per head in the softmax)"
-    return None
 
 
 def register() -> None:

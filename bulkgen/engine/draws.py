@@ -17,7 +17,7 @@ from bulkgen.config import SamplingParams
 # sort it replaces; 256 holds the nucleus (top-p 0.95, T 0.8) of almost every real step.
 CANDIDATES = 256
 
-# forward.Ops.candidates: (logits, rows or None, 1 / T [n, 1], want_z [n], cut) -> (values, ids, best, log_z,
+# cpu/ops.Ops.candidates: (logits, rows or None, 1 / T [n, 1], want_z [n], cut) -> (values, ids, best, log_z,
 # order by id) or None
 Candidates = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, int], tuple | None]
 
@@ -38,7 +38,7 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: 
     """Temperature, then top-k, top-p and min-p as transformers' warpers apply them, then one draw per row
     from its generator. logits [rows, vocab] float32 (not modified); returns the drawn token ids [rows] (int64,
     on the device), and with_best also each row's largest logit [rows]. `candidates`: the C kernel's pass
-    over the vocabulary (forward.Ops.candidates), or None for torch's."""
+    over the vocabulary (cpu/ops.Ops.candidates), or None for torch's."""
     rows, vocab = logits.shape
     device = logits.device
     settings = np.array([[p.temperature, p.top_k if 0 < p.top_k < vocab else 0, p.min_p, p.top_p]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -15,49 +14,13 @@ from bulkgen.config import EngineConfig, SamplingParams, format_size
 from bulkgen.engine import sampler
 from bulkgen.engine.block_manager import BlockManager
 from bulkgen.engine.detokenizer import IncrementalDetokenizer, drop_incomplete_character
+from bulkgen.engine.grammar import Constraints
+from bulkgen.engine.protocol import EngineStats, RequestOutput, StepRecord
 from bulkgen.engine.runner import ModelRunner
 from bulkgen.engine.scheduler import AdmissionPolicy, Scheduler, SchedulerOutput
 from bulkgen.engine.sequence import Sequence, SequenceStatus
 from bulkgen.errors import ConfigError, PromptTooLongError
-from bulkgen.resolve import context_length, past_window, sliding_window
-
-
-@dataclass
-class RequestOutput:
-    request_id: Any
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    text: str
-    finish_reason: str  # stop | eos | length | abort | error
-    num_cached_tokens: int = 0
-    num_preemptions: int = 0
-    logprobs: list[Any] | None = None
-    error: str | None = None
-    time_to_first_token_s: float | None = None
-    latency_s: float | None = None
-
-
-@dataclass
-class StepRecord:
-    """One step, for the bench's plots and the worker's report."""
-
-    time: float
-    num_batched_tokens: int
-    num_decode_tokens: int
-    num_seqs: int
-    kv_usage: float  # share of KV blocks held after scheduling
-    num_preempted: int
-    num_context_tokens: int = 0  # tokens the step's sequences attend to: the KV its attention reads
-
-
-@dataclass
-class EngineStats:
-    num_steps: int = 0
-    num_preemptions: int = 0
-    num_prompt_tokens_computed: int = 0  # recomputation included
-    num_output_tokens: int = 0
-    steps: list[StepRecord] = field(default_factory=list)
-    keep_steps: bool = False
+from bulkgen.model import context_length, load_tokenizer, past_window, sliding_window
 
 
 class Engine:
@@ -65,18 +28,16 @@ class Engine:
                  tokenizer: Any = None,
                  admission: Callable[[int, int], AdmissionPolicy] | None = None) -> None:
         """admission: builds the admission policy from the KV cache's (num_blocks, block_size), e.g.
-        packing.admission_for(policy); None admits whatever has blocks now."""
-        from transformers import AutoTokenizer
-
+        packing.admission_for(packing); None admits whatever has blocks now."""
         self.config = config or EngineConfig()
         self.runner = ModelRunner(model, self.config)
         hf_config = self.runner.model.config
-        self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(model if not isinstance(model, torch.nn.Module)
-                                                                    else hf_config._name_or_path)
+        self.tokenizer = tokenizer or load_tokenizer(model if not isinstance(model, torch.nn.Module)
+                                                     else hf_config._name_or_path)
         context = context_length(hf_config, str(hf_config._name_or_path or type(self.runner.model).__name__))
         self.max_model_len = min(self.config.max_model_len or context, context)
         self.runner.limit_context(self.max_model_len)
-        self.sliding_window = sliding_window(hf_config)  # longer requests are refused (resolve.past_window)
+        self.sliding_window = sliding_window(hf_config)  # longer requests are refused (model.past_window)
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
                                           self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens,
@@ -85,7 +46,8 @@ class Engine:
         self.eos_token_ids = _eos_ids(self.runner.model, self.tokenizer)
         self.stats = EngineStats()
         self._seqs: dict[Any, Sequence] = {}
-        self._grammars: Any = None
+        self.constraints = Constraints(self.tokenizer, hf_config.vocab_size, overlap=self.runner.device.type != "cpu",
+                                       kernel=self.runner.ops.mask_tokens)
 
     @property
     def max_num_tokens(self) -> int:
@@ -124,7 +86,7 @@ class Engine:
         if params.stop:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.stop)
         if params.json_schema is not None:
-            seq.matcher = self.grammars.matcher(params.json_schema)
+            seq.matcher = self.constraints.matcher(params.json_schema)
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
 
@@ -148,33 +110,14 @@ class Engine:
         return [out for seq in waiting if (out := self.abort(seq.request_id)) is not None]
 
     def step(self) -> list[RequestOutput]:
-        """One engine step; returns the requests that finished in it."""
+        """One engine step: schedule, run the model, post-process. Returns the requests that finished."""
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             return []
-        # The masks of the constrained sequences sampled in this step: on a GPU computed while the forward pass
-        # runs; on a CPU after it (there the forward's threads have every core, and a mask thread beside them
-        # slowed each step by more than the masks cost: 19 % against 5 % at 8 rows on 2 cores)
-        constrained = [s.seq for s in scheduled.scheduled if s.seq.matcher is not None
-                       and s.seq.num_computed_tokens + s.num_new_tokens == s.seq.num_tokens]
-        overlap = self.runner.device.type != "cpu"
-        masks = self.grammars.start_masks([seq.matcher for seq in constrained]) if constrained and overlap else None
+        masks = self.constraints.begin(scheduled.scheduled)  # JSON schemas' masks (grammar.py)
         logits, sampled_seqs = self.runner.execute(scheduled.scheduled)
-        if constrained and not overlap:
-            masks = self.grammars.start_masks([seq.matcher for seq in constrained])
-        if masks is not None:
-            row = {id(seq): i for i, seq in enumerate(sampled_seqs)}
-            self.grammars.apply(masks, logits, [row[id(seq)] for seq in constrained], self.runner.ops.mask_tokens)
+        masks.apply(logits, sampled_seqs)
         return self._postprocess(scheduled, logits, sampled_seqs)
-
-    @property
-    def grammars(self) -> Any:
-        """llguidance over this engine's tokenizer, made when a first request asks for a JSON schema."""
-        if self._grammars is None:
-            from bulkgen.engine.grammar import Grammars
-
-            self._grammars = Grammars(self.tokenizer, self.runner.model.config.vocab_size)
-        return self._grammars
 
     def generate(self, prompts: Iterable[list[int] | str], params: SamplingParams | list[SamplingParams] | None = None,
                  ) -> Iterator[RequestOutput]:

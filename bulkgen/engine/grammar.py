@@ -1,9 +1,11 @@
-"""JSON-schema constrained generation through llguidance (a grammar engine made for this: Rust core, MIT).
+"""JSON-schema constrained generation in the engine: each constrained sequence carries a matcher of its
+schema (bulkgen/schema.py compiles them), and a step masks the logits of the constrained rows it samples.
 
-Each constrained sequence carries a matcher compiled from its schema. A step computes the next-token masks
-of every constrained sequence it will sample, all at once, on llguidance's own threads while the forward
-pass runs; the masks are applied to those rows of the logits before sampling; each sampled token is then
-fed to its matcher, and a sequence whose grammar is complete stops. Unconstrained sequences pay nothing.
+A step asks `Constraints.begin` for its masks before the forward pass and applies them after it: on a
+GPU llguidance fills them on its own threads while the forward pass runs; on a CPU after it (there the
+forward's threads have every core, and a mask thread beside them slowed each step by more than the masks
+cost: 19 % against 5 % at 8 rows on 2 cores). Each sampled token is then fed to its matcher (engine.py),
+and a sequence whose grammar is complete stops. Unconstrained sequences pay nothing.
 """
 
 from __future__ import annotations
@@ -15,70 +17,71 @@ from typing import Any
 import numpy as np
 import torch
 
-from bulkgen.config import parse_json_schema
-from bulkgen.errors import ConfigError
+from bulkgen.engine.scheduler import ScheduledSeq
+from bulkgen.engine.sequence import Sequence
+from bulkgen.schema import Schemas
 
 _SHIFTS = torch.arange(32, dtype=torch.int32)
+MaskKernel = Callable[[torch.Tensor, list[int], torch.Tensor], bool]
 
 
-def require() -> Any:
-    try:
-        import llguidance
-        import llguidance.hf
-        import llguidance.torch
-    except ImportError as exc:
-        raise ConfigError("JSON-schema outputs need llguidance (pip install llguidance)") from exc
-    return llguidance
+class Constraints:
+    """The matchers of one engine's tokenizer (llguidance loaded when a first request asks for a schema),
+    and each step's masks."""
 
-
-def grammar_text(schema: str) -> str:
-    """llguidance's grammar for a JSON schema's text; ConfigError if it is not a JSON object."""
-    llguidance = require()
-    # compact JSON: free whitespace lets a weak model pad forever (and buys nothing in a dataset)
-    return llguidance.LLMatcher.grammar_from_json_schema(parse_json_schema(schema),
-                                                         defaults={"whitespace_flexible": False})
-
-
-class Grammars:
-    """Matchers for one tokenizer, and the step's masks."""
-
-    def __init__(self, hf_tokenizer: Any, vocab_size: int) -> None:
-        llguidance = require()
-        self._ll = llguidance
-        self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size)
-        self.executor = llguidance.LLExecutor()
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="bulkgen-masks")
-        self._compiled: dict[str, str] = {}
-
-    def check(self, schema: str) -> None:
-        """ConfigError with the compiler's words where the schema cannot be compiled."""
-        grammar = self._grammar(schema)
-        error = self._ll.LLMatcher.validate_grammar(grammar, self.tokenizer)
-        if error:
-            raise ConfigError(f"the JSON schema cannot be compiled: {error}")
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, overlap: bool, kernel: MaskKernel | None) -> None:
+        self._tokenizer, self._vocab_size = hf_tokenizer, vocab_size
+        self.overlap = overlap  # fill the masks while the forward pass runs
+        self.kernel = kernel  # the C kernels' mask pass (cpu/ops.Ops.mask_tokens), where it applies
+        self._schemas: Schemas | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._executor: Any = None
 
     def matcher(self, schema: str) -> Any:
-        matcher = self._ll.LLMatcher(self.tokenizer, self._grammar(schema))
-        if matcher.is_error():
-            raise ConfigError(f"the JSON schema cannot be compiled: {matcher.get_error()}")
-        return matcher
+        if self._schemas is None:
+            import llguidance.torch  # noqa: F401  (the bitmask helpers below)
 
-    def _grammar(self, schema: str) -> str:
-        if schema not in self._compiled:
-            self._compiled[schema] = grammar_text(schema)
-        return self._compiled[schema]
+            self._schemas = Schemas(self._tokenizer, self._vocab_size)
+            self._executor = self._schemas.ll.LLExecutor()
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="bulkgen-masks")
+        return self._schemas.matcher(schema)
 
-    def start_masks(self, matchers: list[Any]) -> Future:
-        """The next-token masks of these matchers ([len, words] int32), computed in the background."""
-        mask = self._ll.torch.allocate_token_bitmask(len(matchers), self.tokenizer.vocab_size)
-        return self.pool.submit(_fill, self._ll, self.executor, matchers, mask)
+    def begin(self, scheduled: list[ScheduledSeq]) -> StepMasks:
+        """The masks of the constrained sequences this step samples (those whose prompt is all computed)."""
+        seqs = [s.seq for s in scheduled if s.seq.matcher is not None
+                and s.seq.num_computed_tokens + s.num_new_tokens == s.seq.num_tokens]
+        masks = StepMasks(self, seqs)
+        if seqs and self.overlap:
+            masks.start()
+        return masks
+
+    def _start(self, matchers: list[Any]) -> Future:
+        ll = self._schemas.ll
+        mask = ll.torch.allocate_token_bitmask(len(matchers), self._schemas.tokenizer.vocab_size)
+        return self._pool.submit(_fill, ll, self._executor, matchers, mask)
+
+
+class StepMasks:
+    """One step's masks: started before the forward pass or after it, applied to its logits."""
+
+    def __init__(self, constraints: Constraints, seqs: list[Sequence]) -> None:
+        self.constraints, self.seqs = constraints, seqs
+        self.future: Future | None = None
+
+    def start(self) -> None:
+        self.future = self.constraints._start([seq.matcher for seq in self.seqs])
 
     @torch.inference_mode()
-    def apply(self, masks: Future, logits: torch.Tensor, rows: list[int],
-              kernel: Callable[[torch.Tensor, list[int], torch.Tensor], bool] | None = None) -> None:
-        """Mask the rows' disallowed tokens to -inf (logits [num_sampled, vocab], in place); `kernel`: the C
-        kernels' (forward.Ops.mask_tokens), where it applies."""
-        mask = masks.result()
+    def apply(self, logits: torch.Tensor, sampled: list[Sequence]) -> None:
+        """-inf in place for what each constrained row's grammar refuses (logits [len(sampled), vocab])."""
+        if not self.seqs:
+            return
+        if self.future is None:
+            self.start()
+        row = {id(seq): i for i, seq in enumerate(sampled)}
+        rows = [row[id(seq)] for seq in self.seqs]
+        mask = self.future.result()
+        kernel = self.constraints.kernel
         if kernel is None or not kernel(logits, rows, mask):
             mask_logits(logits, rows, mask)
 

@@ -1,13 +1,51 @@
-"""What the worker (and, later, a Ray actor or `bulkgen.generate`) needs of an engine: requests in,
-finished outputs out, a step at a time. `engine.Engine` is the one implementation; no torch here."""
+"""What the worker (and a Ray actor, and `bulkgen.generate`) needs of an engine: requests in, finished
+outputs out, a step at a time, and the typed objects handed across. `engine.Engine` is the one
+implementation (and bench/queue_capacity.FixedEngine a model-free one); no torch here."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from bulkgen.config import SamplingParams
-    from bulkgen.engine.engine import EngineStats, RequestOutput
+from bulkgen.config import SamplingParams
+
+
+@dataclass
+class RequestOutput:
+    request_id: Any
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    text: str
+    finish_reason: str  # stop | eos | length | abort | error
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    logprobs: list[Any] | None = None
+    error: str | None = None
+    time_to_first_token_s: float | None = None
+    latency_s: float | None = None
+
+
+@dataclass
+class StepRecord:
+    """One step, for the bench's plots and the worker's report."""
+
+    time: float
+    num_batched_tokens: int
+    num_decode_tokens: int
+    num_seqs: int
+    kv_usage: float  # share of KV blocks held after scheduling
+    num_preempted: int
+    num_context_tokens: int = 0  # tokens the step's sequences attend to: the KV its attention reads
+
+
+@dataclass
+class EngineStats:
+    num_steps: int = 0
+    num_preemptions: int = 0
+    num_prompt_tokens_computed: int = 0  # recomputation included
+    num_output_tokens: int = 0
+    steps: list[StepRecord] = field(default_factory=list)
+    keep_steps: bool = False
 
 
 class EngineProtocol(Protocol):

@@ -8,9 +8,10 @@ largest logit tells); -inf is what masks write (a grammar, ignore_eos), never a 
 is masked has nothing to sample: its grammar reached a dead end.
 
 Drawn rows follow transformers' warpers (temperature, then top-k, top-p, min-p) exactly, without sorting the
-vocabulary: the filters act on the row's best CANDIDATES logits (one top-k; on a CPU, our C kernel's one pass that
-also gives top-p its normaliser), and a row goes to the full-vocabulary path only where that cut cannot decide its kept set (no filter at all, or a set wider than the cut). Each row
-draws its exponential noise from its own torch.Generator, seeded from its request's seed, and the token is the
+vocabulary: the filters act on the row's best CANDIDATES logits (one top-k; on a CPU, our C kernel's one
+pass that also gives top-p its normaliser), and a row goes to the full-vocabulary path only where that
+cut cannot decide its kept set (no filter at all, or a set wider than the cut). Each row draws its
+exponential noise from its own torch.Generator, seeded from its request's seed, and the token is the
 winner of the exponential race, argmax(weight / noise) over its kept candidates (an exact draw); over the
 whole vocabulary the race runs in two levels, blocks of BLOCK tokens first (a block's best time is
 exponential with the block's mass), then the tokens of the winning block. A sampled request gives the same
@@ -55,7 +56,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Collection
            candidates: Candidates | None = None) -> SampleResult:
     """Choose each row's next token. `logits` may be modified in place (masks, penalties) unless a row
     needs them raw (log-probabilities). `argmax` is row-wise over float32 (torch's by default);
-    `candidates` the C kernels' pass of sampled rows over the vocabulary (forward.Ops; None: torch's)."""
+    `candidates` the C kernels' pass of sampled rows over the vocabulary (cpu/ops.Ops; None: torch's)."""
     num_rows = logits.shape[0]
     if num_rows == 0:
         return SampleResult([], [], [])

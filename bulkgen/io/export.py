@@ -19,7 +19,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from bulkgen.errors import InputError
-from bulkgen.io.rows import InputColumns, InputFile
+from bulkgen.io.openai_batch import output_line
+from bulkgen.io.rows import InputColumns, InputFile, fingerprint
+from bulkgen.model import load_tokenizer
 from bulkgen.store import Store
 from bulkgen.store.jobs import get_job, results_page
 from bulkgen.store.models import Job, JobStatus, RequestState, unpack_ids
@@ -90,7 +92,8 @@ def _temporary(out: Path) -> tuple[Path, str]:
     """The resolved output path and a temporary file beside it (renamed onto it when complete)."""
     out = out.expanduser().resolve()
     if out.is_dir():
-        raise InputError(f"cannot export to {out}: it is a directory; give a file in it, such as {out / 'results.parquet'}")
+        raise InputError(f"cannot export to {out}: it is a directory; give a file in it, such as "
+                         f"{out / 'results.parquet'}")
     if not out.parent.is_dir():
         raise InputError(f"cannot export to {out}: the directory {out.parent} does not exist; create it first")
     try:
@@ -105,8 +108,6 @@ def _temporary(out: Path) -> tuple[Path, str]:
 def export_openai(store: Store, job_id: int, out: Path, errors: Path | None = None) -> ExportReport:
     """The OpenAI batch output format (io/openai_batch.py): a line per input line, in input order; failed lines
     in `errors` if given (as OpenAI's error file), else in `out` too. Lines not finished yet are left out."""
-    from bulkgen.io.openai_batch import output_line
-
     with store.session_scope() as session:
         job = get_job(session, job_id)
         session.expunge(job)
@@ -157,8 +158,6 @@ def _token_decoder(model_path: str):
     def decode(ids: list[int]) -> list[str]:
         nonlocal tokenizer
         if tokenizer is None:
-            from bulkgen.resolve import load_tokenizer
-
             tokenizer = load_tokenizer(Path(model_path))
         return [tokenizer.decode([i]) for i in ids]
 
@@ -176,8 +175,7 @@ def _open_input(job: Job, override: Path | None) -> InputFile:
     if not path.is_file():
         raise InputError(f"job {job.id}'s input {path} is gone: give its new place with --input PATH, "
                          "or export without it (--no-include-inputs)")
-    stat = path.stat()
-    if override is None and job.input_fingerprint != f"size={stat.st_size};mtime_ns={stat.st_mtime_ns}":
+    if override is None and job.input_fingerprint != fingerprint(path):
         raise InputError(f"{path} changed since job {job.id} was submitted, so its rows may not line up: "
                          "point --input at the original file, or use --no-include-inputs")
     return InputFile(path, InputColumns(), job.spec.get("input_format") or "auto")

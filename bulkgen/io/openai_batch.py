@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from bulkgen.config import SamplingParams
+from bulkgen.config import SamplingParams, request_sampling
 from bulkgen.errors import InputError
 
 CHAT_URL = "/v1/chat/completions"
@@ -137,7 +137,7 @@ def line_settings(line: BatchLine, job_sampling: SamplingParams, job_model: str)
     if n > 128:
         raise ValueError(f"n must be at most 128, got {n}")
     try:
-        SamplingParams.from_dict({**job_sampling.to_dict(), **own})
+        request_sampling(job_sampling, own)
     except Exception as exc:  # the sampling checks' own words
         raise ValueError(str(exc)) from exc
     return own, n, line.url

@@ -58,6 +58,12 @@ def detect_format(path: Path, forced: str = "auto") -> str:
                      "--input-format parquet|jsonl|csv|openai")
 
 
+def fingerprint(path: Path) -> str:
+    """What export checks to tell that an input file is the one submitted (its size and modification time)."""
+    stat = path.stat()
+    return f"size={stat.st_size};mtime_ns={stat.st_mtime_ns}"
+
+
 def _first_line(path: Path) -> str | None:
     with open(path, encoding="utf-8", errors="replace") as handle:
         for line in handle:
@@ -173,7 +179,7 @@ class InputFile:
                              int_columns=[columns.max_new_tokens] if columns.max_new_tokens else [])
         self.schema = self._file.schema
         self.num_rows = self._file.num_rows  # None until read, for JSONL and CSV
-        self._check_schema()
+        check_columns(self.schema, columns, self.path.name)
         if self.num_rows == 0:
             raise InputError(f"{path} has no rows: nothing to submit")
 
@@ -183,44 +189,36 @@ class InputFile:
 
     @property
     def fingerprint(self) -> str:
-        stat = self.path.stat()
-        return f"size={stat.st_size};mtime_ns={stat.st_mtime_ns}"
+        return fingerprint(self.path)
 
     def batches(self, batch_rows: int = BATCH_ROWS, all_columns: bool = False) -> Iterator[pa.RecordBatch]:
         """Only the needed columns (or all), a batch at a time: memory stays flat whatever the file size."""
         yield from self._file.batches(None if all_columns else self.columns.needed, batch_rows)
 
-    def _check_schema(self) -> None:
-        available = self.column_names
-        for flag, name in (("--prompt-column", self.columns.prompt), ("--messages-column", self.columns.messages),
-                           ("--id-column", self.columns.id), ("--max-new-tokens-column", self.columns.max_new_tokens),
-                           ("--json-schema-column", self.columns.json_schema)):
-            if name is not None and name not in available:
-                raise InputError(f"{self.path.name} has no column {name!r} ({flag}); its columns are: "
-                                 f"{', '.join(available)}")
-        if self.columns.prompt is not None:
-            kind = self.schema.field(self.columns.prompt).type
-            if not _is_text_type(kind):
-                raise InputError(f"column {self.columns.prompt!r} holds {kind}, not text: --prompt-column needs a "
-                                 "string column (use --messages-column for chat messages)")
-        if self.columns.messages is not None:
-            kind = self.schema.field(self.columns.messages).type
-            if not _is_messages_type(kind):
-                raise InputError(f"column {self.columns.messages!r} holds {kind}: --messages-column needs a list of "
-                                 "{role: string, content: string} structs")
-        if self.columns.max_new_tokens is not None:
-            kind = self.schema.field(self.columns.max_new_tokens).type
-            if not pa.types.is_integer(kind):
-                raise InputError(f"column {self.columns.max_new_tokens!r} holds {kind}: --max-new-tokens-column "
-                                 "needs an integer column")
-        if self.columns.json_schema is not None and not _is_text_type(self.schema.field(self.columns.json_schema).type):
-            raise InputError(f"column {self.columns.json_schema!r} holds {self.schema.field(self.columns.json_schema).type}"
-                             ": --json-schema-column needs a string column of JSON schemas")
-        if self.columns.id is not None:
-            kind = self.schema.field(self.columns.id).type
-            if pa.types.is_nested(kind):
-                raise InputError(f"column {self.columns.id!r} holds {kind}: --id-column needs a scalar column "
-                                 "(string or integer)")
+def check_columns(schema: pa.Schema, columns: InputColumns, name: str) -> None:
+    """InputError where a column the flags name is missing from the input `name` or holds the wrong type."""
+    available = list(schema.names)
+    for flag, column in (("--prompt-column", columns.prompt), ("--messages-column", columns.messages),
+                         ("--id-column", columns.id), ("--max-new-tokens-column", columns.max_new_tokens),
+                         ("--json-schema-column", columns.json_schema)):
+        if column is not None and column not in available:
+            raise InputError(f"{name} has no column {column!r} ({flag}); its columns are: {', '.join(available)}")
+    if columns.prompt is not None and not _is_text_type(kind := schema.field(columns.prompt).type):
+        raise InputError(f"column {columns.prompt!r} holds {kind}, not text: --prompt-column needs a string column "
+                         "(use --messages-column for chat messages)")
+    if columns.messages is not None and not _is_messages_type(kind := schema.field(columns.messages).type):
+        raise InputError(f"column {columns.messages!r} holds {kind}: --messages-column needs a list of "
+                         "{role: string, content: string} structs")
+    if columns.max_new_tokens is not None \
+            and not pa.types.is_integer(kind := schema.field(columns.max_new_tokens).type):
+        raise InputError(f"column {columns.max_new_tokens!r} holds {kind}: --max-new-tokens-column needs an integer "
+                         "column")
+    if columns.json_schema is not None and not _is_text_type(kind := schema.field(columns.json_schema).type):
+        raise InputError(f"column {columns.json_schema!r} holds {kind}: --json-schema-column needs a string column "
+                         "of JSON schemas")
+    if columns.id is not None and pa.types.is_nested(kind := schema.field(columns.id).type):
+        raise InputError(f"column {columns.id!r} holds {kind}: --id-column needs a scalar column (string or "
+                         "integer)")
 
 
 def _is_text_type(kind: pa.DataType) -> bool:

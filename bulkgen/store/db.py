@@ -12,6 +12,7 @@ from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from bulkgen.errors import BulkgenError, ConfigError, StoreError
+from bulkgen.store import migrate
 
 SQLITE_BUSY_TIMEOUT_MS = 60_000
 PG_CONNECT_TIMEOUT_S = 5  # an unreachable server is said in seconds, not after TCP's minutes
@@ -66,8 +67,6 @@ def open_store(url: str, upgrade: bool = True) -> Store:
     engine = create_db_engine(url)
     store = Store(engine)
     if upgrade:
-        from bulkgen.store import migrate
-
         with opening(engine):
             migrate.ensure_head(engine)
     return store

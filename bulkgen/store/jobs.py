@@ -1,4 +1,4 @@
-"""Job-level operations of the store: create, describe, list, cancel, retry."""
+"""Job-level operations of the store: create (a job and its request rows), describe, list, cancel, retry."""
 
 from __future__ import annotations
 
@@ -9,14 +9,39 @@ from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.orm import Session
 
 from bulkgen.errors import ConfigError, NotFoundError
-from bulkgen.store.models import REQUEST_STATES, Job, JobStatus, Request, RequestState, Result, utcnow
+from bulkgen.store.models import (
+    REQUEST_STATES,
+    Job,
+    JobStatus,
+    Request,
+    RequestState,
+    Result,
+    pack_ids,
+    utcnow,
+)
 
 
-def create_job(session: Session, **values: Any) -> Job:
-    job = Job(status=JobStatus.SUBMITTING.value, **values)
+def new_job(session: Session, *, model: str, model_path: str, spec: dict[str, Any], name: str | None = None,
+            input_path: str = "-", input_fingerprint: str = "-", input_columns: list[str] | None = None) -> int:
+    """A job being submitted (invisible to workers until open_job); its id. Submit and the bench's jobs
+    both start here."""
+    job = Job(status=JobStatus.SUBMITTING.value, name=name, model=model, model_path=model_path, spec=spec,
+              input_path=input_path, input_fingerprint=input_fingerprint, input_columns=input_columns or [])
     session.add(job)
     session.flush()
-    return job
+    return job.id
+
+
+def request_row(job_id: int, row: int, sample: int, token_ids: list[int] | None, max_new_tokens: int, seed: int,
+                *, error: str | None = None, custom_id: str | None = None, prompt: str | None = None,
+                params: dict[str, Any] | None = None, now: datetime | None = None) -> dict[str, Any]:
+    """One request as insert_requests takes it: pending with its token ids, or failed with its reason."""
+    return {"job_id": job_id, "row": row, "sample": sample, "custom_id": custom_id, "prompt": prompt,
+            "prompt_token_ids": pack_ids(token_ids) if error is None and token_ids is not None else None,
+            "num_prompt_tokens": len(token_ids) if token_ids is not None else 0,
+            "max_new_tokens": max(int(max_new_tokens), 1), "seed": seed,
+            "state": RequestState.FAILED.value if error else RequestState.PENDING.value,
+            "attempts": 0, "error": error, "updated_at": now or utcnow(), "params": params}
 
 
 def insert_requests(session: Session, rows: list[dict[str, Any]]) -> None:
@@ -43,13 +68,15 @@ def get_job(session: Session, job_id: int) -> Job:
     return job
 
 
-def request_counts(session: Session, job_ids: list[int]) -> dict[int, dict[str, int]]:
-    counts = {job_id: dict.fromkeys(REQUEST_STATES, 0) for job_id in job_ids}
-    query = (select(Request.job_id, Request.state, func.count())
+def state_totals(session: Session, job_ids: list[int]) -> dict[int, dict[str, tuple[int, int]]]:
+    """Each job's requests by state, every state present: (how many, their max_new_tokens summed). The one
+    count of requests by state: status, the queue's totals and the settling of finished jobs read it."""
+    totals = {job_id: dict.fromkeys(REQUEST_STATES, (0, 0)) for job_id in job_ids}
+    query = (select(Request.job_id, Request.state, func.count(), func.coalesce(func.sum(Request.max_new_tokens), 0))
              .where(Request.job_id.in_(job_ids)).group_by(Request.job_id, Request.state))
-    for job_id, state, count in session.execute(query):
-        counts[job_id][state] = count
-    return counts
+    for job_id, state, count, budget in session.execute(query):
+        totals[job_id][state] = (int(count), int(budget))
+    return totals
 
 
 def token_totals(session: Session, job_ids: list[int]) -> dict[int, tuple[int, int]]:
@@ -65,9 +92,9 @@ def token_totals(session: Session, job_ids: list[int]) -> dict[int, tuple[int, i
 def describe_jobs(session: Session, jobs: list[Job]) -> list[dict[str, Any]]:
     """What `status` and `list` show: counts by request state, tokens, throughput, ETA."""
     ids = [job.id for job in jobs]
-    counts = request_counts(session, ids)
+    totals = state_totals(session, ids)
     tokens = token_totals(session, ids)
-    return [_summary(job, counts[job.id], tokens[job.id]) for job in jobs]
+    return [_summary(job, {state: n for state, (n, _) in totals[job.id].items()}, tokens[job.id]) for job in jobs]
 
 
 def list_jobs(session: Session, limit: int | None = None) -> list[Job]:

@@ -19,8 +19,18 @@ from typing import Any
 from sqlalchemy import and_, case, func, insert, select, update
 from sqlalchemy.orm import Session
 
-from bulkgen.packing import SORT_KEYS
-from bulkgen.store.models import Job, JobStatus, Request, RequestState, Result, Worker, utcnow
+from bulkgen.store.jobs import state_totals
+from bulkgen.store.models import (
+    DEFAULT_PACKING,
+    SORT_KEYS,
+    Job,
+    JobStatus,
+    Request,
+    RequestState,
+    Result,
+    Worker,
+    utcnow,
+)
 
 RUNNABLE_JOBS = (JobStatus.QUEUED.value, JobStatus.RUNNING.value)
 SHAPE_SAMPLE = 1024  # pending requests whose mean length sizes a claim
@@ -96,9 +106,9 @@ def dead_local_workers(session: Session) -> list[str]:
 
 
 def claim(session: Session, worker_id: str, job_ids: list[int], limit: int, lease_s: float,
-          order: str = "lpt") -> list[ClaimedRequest]:
+          packing: str = DEFAULT_PACKING) -> list[ClaimedRequest]:
     """Lease up to `limit` pending requests of the given jobs (older jobs first), in the packer's order
-    (packing.SORT_KEYS: lpt, most output tokens first, then longest prompt, then latest submitted; sorted,
+    (models.SORT_KEYS: lpt, most output tokens first, then longest prompt, then latest submitted; sorted,
     shortest prompt first; fifo, as submitted)."""
     if limit <= 0 or not job_ids:
         return []
@@ -106,10 +116,10 @@ def claim(session: Session, worker_id: str, job_ids: list[int], limit: int, leas
                     Request.max_new_tokens, Request.seed, Request.attempts, Request.params)
              .where(Request.job_id.in_(job_ids), Request.state == RequestState.PENDING.value))
     keys = [getattr(Request, field).desc() if descending else getattr(Request, field)
-            for field, descending in SORT_KEYS[order]]
+            for field, descending in SORT_KEYS[packing]]
     # ties by id in the direction of the order's keys, so that its index (models.Request) serves it as it is
     # or walked backwards, without a sort
-    last = Request.id.desc() if SORT_KEYS[order] and SORT_KEYS[order][-1][1] else Request.id
+    last = Request.id.desc() if SORT_KEYS[packing] and SORT_KEYS[packing][-1][1] else Request.id
     query = query.order_by(Request.job_id, *keys, last).limit(limit)
     if session.bind.dialect.name == "postgresql":
         query = query.with_for_update(skip_locked=True, of=Request)
@@ -193,10 +203,12 @@ class QueueTotals:
 
 
 def queue_totals(session: Session, job_ids: list[int]) -> QueueTotals:
-    rows = session.execute(select(Request.state, func.count(), func.coalesce(func.sum(Request.max_new_tokens), 0))
-                           .where(Request.job_id.in_(job_ids), Request.state != RequestState.CANCELLED.value)
-                           .group_by(Request.state)).all()
-    counts = {state: (int(n), int(budget)) for state, n, budget in rows}
+    counts: dict[str, tuple[int, int]] = {}
+    for per_state in state_totals(session, job_ids).values():
+        for state, (n, budget) in per_state.items():
+            if state != RequestState.CANCELLED.value:
+                total = counts.get(state, (0, 0))
+                counts[state] = (total[0] + n, total[1] + budget)
     done = (RequestState.COMPLETED.value, RequestState.FAILED.value)
     return QueueTotals(num_requests=sum(n for n, _ in counts.values()),
                        num_done=sum(n for state, (n, _) in counts.items() if state in done),
@@ -241,10 +253,9 @@ def settle_jobs(session: Session, job_ids: list[int]) -> None:
             (RequestState.PENDING.value, RequestState.RUNNING.value))).limit(1)
         if session.scalar(left) is not None:
             continue
-        counts = dict(session.execute(select(Request.state, func.count()).where(Request.job_id == job.id)
-                                      .group_by(Request.state)).all())
-        job.status = JobStatus.COMPLETED.value if counts.get(RequestState.COMPLETED.value) or not \
-            counts.get(RequestState.FAILED.value) else JobStatus.FAILED.value
+        counts = state_totals(session, [job.id])[job.id]
+        job.status = JobStatus.COMPLETED.value if counts[RequestState.COMPLETED.value][0] or not \
+            counts[RequestState.FAILED.value][0] else JobStatus.FAILED.value
         job.finished_at = utcnow()
 
 

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from bulkgen.engine.attention import TritonStep
+from bulkgen.engine.gpu import attention as triton_attention
 
 
 def triton_step(input_ids: list[int], positions: list[int], keep: list[int], slots: list[int],
@@ -18,8 +19,6 @@ def triton_step(input_ids: list[int], positions: list[int], keep: list[int], slo
     keep: the rows to sample; slots: each new token's cache slot; decode_tables, decode_context_lens: per
     decoding sequence; chunks: per prefill chunk (offset in the batch, length, tokens cached before it, block
     table)."""
-    from bulkgen.engine import triton_attention
-
     num_decodes, num_chunks = len(decode_tables), len(chunks)
     decode_width = max((len(t) for t in decode_tables), default=0)
     chunk_width = max((len(c[3]) for c in chunks), default=0)

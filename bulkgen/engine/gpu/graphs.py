@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from bulkgen.engine.attention import AttentionMetadata, TritonStep
+from bulkgen.engine.gpu import attention as triton_attention
 
 
 def buckets(max_num_seqs: int) -> list[int]:
@@ -94,8 +95,6 @@ class DecodeGraphs:
         rows[n:size, 0] = self.scratch_block
 
     def _make(self, size: int) -> _Graph:
-        from bulkgen.engine import triton_attention
-
         ids, pos, slots, lens, tables = self._parts
         empty = self.buffer[:0]
         step = TritonStep(

@@ -1,7 +1,7 @@
 """The small ops of the forward pass in Triton, one launch each where torch takes four to six: RMSNorm with
 the residual add before it, RoPE in place on the fused qkv projection, SiLU-and-multiply. The same
-roundings as the torch code of Hugging Face's modules (forward.Ops' torch path): intermediate results
-are rounded to the model's dtype where torch rounds them. `TritonOps` has forward.Ops' interface."""
+roundings as the torch code of Hugging Face's modules (cpu/ops.Ops' torch path): intermediate results
+are rounded to the model's dtype where torch rounds them. `TritonOps` has cpu/ops.Ops' interface."""
 
 from __future__ import annotations
 

@@ -1,11 +1,12 @@
 """Our C kernels for the CPU (paged attention, the KV write, fused RMSNorm, SiLU-mul, RoPE, argmax, the
-sampler's candidates, grammar masks and the linear layers): compiled once per machine with -march=native, loaded with ctypes.
+sampler's candidates, grammar masks and the linear layers): compiled once per machine with -march=native,
+loaded with ctypes.
 
 It needs only a C compiler with OpenMP (gcc), no torch headers, so it builds in about a second. The
 library is cached under a key of its sources, its flags and this CPU's flags, so a kernel built for one
 CPU is never loaded on another; and it checks on load that this CPU runs every extension it was built
 for. Where no compiler is found the engine falls back to pure torch, slower but identical in results.
-Whether each kernel family then runs in C or torch is decided per machine (cpu_paths.py).
+Whether each kernel family then runs in C or torch is decided per machine (cpu/paths.py).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from functools import cache
 from pathlib import Path
 
 from bulkgen.config import Paths
-from bulkgen.engine.cpu import cpu_flags_line
+from bulkgen.engine.cpu.machine import cpu_flags_line
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +114,7 @@ def _load(extra_flags: tuple[str, ...]) -> Kernels | None:
     if compiler is None:
         log.warning("bulkgen: no C compiler found; the CPU engine runs in pure torch (slower)")
         return None
-    sources = {name: importlib.resources.files("bulkgen.engine").joinpath(f"csrc/{name}").read_text()
+    sources = {name: importlib.resources.files("bulkgen.engine.cpu").joinpath(f"csrc/{name}").read_text()
                for name in (*SOURCES, *HEADERS)}
     flags = [*FLAGS, *extra_flags]
     key = hashlib.sha256("\n".join([*sources.values(), compiler, *flags, cpu_flags_line()]).encode()).hexdigest()[:16]

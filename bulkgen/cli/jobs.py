@@ -1,0 +1,179 @@
+"""Commands on jobs: submit, list, status, cancel, retry."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+
+from bulkgen.cli.options import CONTEXT, JOB_ID, JobCommand, RowProgress, db_option, emit_json, json_option, open_db
+from bulkgen.io.rows import INPUT_FORMATS
+from bulkgen.jobspec import build_spec
+from bulkgen.progress import format_duration
+from bulkgen.store import jobs as job_ops
+from bulkgen.submission import submit_job
+
+
+@click.command(context_settings=CONTEXT)
+@click.argument("source", type=click.Path(path_type=Path))
+@click.option("--name", help="A name for the job.")
+@click.option("--model", help="Alias, .gguf file or Hugging Face directory. Default: smollm2-135m-instruct.")
+@click.option("--prompt-column", help="Column of raw prompt text (default: prompt).")
+@click.option("--messages-column", help="Column of chat messages: a list of {role, content}.")
+@click.option("--id-column", help="Column of your own row ids, kept in the results.")
+@click.option("--max-new-tokens-column", help="Integer column with each row's own token budget.")
+@click.option("--system-prompt", help="System message put before each conversation (chat rendering).")
+@click.option("--chat/--no-chat", default=None, help="Render raw prompts as a user message with the chat template.")
+@click.option("--n", type=int, help="Samples per row (needs --temperature > 0). Default 1.")
+@click.option("--max-new-tokens", type=int, help="Tokens to generate at most per request. Default 128.")
+@click.option("--temperature", type=float, help="0 (default) is greedy.")
+@click.option("--top-p", type=float, help="Nucleus sampling, in (0, 1]. Default 1.")
+@click.option("--top-k", type=int, help="Keep the k most likely tokens; 0 (default) is off.")
+@click.option("--min-p", type=float, help="Drop tokens below min-p × the top probability; 0 is off.")
+@click.option("--repetition-penalty", type=float, help="> 1 discourages repeats; 1 (default) is off.")
+@click.option("--frequency-penalty", type=float, help="OpenAI's: in [-2, 2], minus this x each token's count in "
+                                                    "the output so far; 0 (default) is off.")
+@click.option("--presence-penalty", type=float, help="OpenAI's: in [-2, 2], minus this for each token already "
+                                                   "in the output; 0 (default) is off.")
+@click.option("--stop", multiple=True, help="Stop string (repeatable); removed from the output.")
+@click.option("--stop-token-id", "stop_token_ids", type=int, multiple=True, help="Stop token id (repeatable).")
+@click.option("--seed", type=int, help="Job seed; each request derives its own from it. Default 0.")
+@click.option("--ignore-eos/--no-ignore-eos", default=None, help="Generate exactly max-new-tokens (benchmarks).")
+@click.option("--logprobs", type=int, help="Keep the chosen token's log-probability and this many alternatives.")
+@click.option("--json-schema", metavar="FILE_OR_JSON",
+              help="Every output is JSON valid against this schema (a file, or the schema's JSON text).")
+@click.option("--json-schema-column", help="String column with each row's own JSON schema.")
+@click.option("--add-special-tokens/--no-add-special-tokens", default=None,
+              help="Tokenizer special tokens (BOS). Default: on for raw text, off for chat-rendered text.")
+@click.option("--input-format", type=click.Choice(INPUT_FORMATS),
+              help="What the input file is. Default auto: .parquet, .jsonl/.ndjson, .csv by name (else by its "
+                   "first bytes); a JSONL file of OpenAI batch requests is read as one.")
+@json_option
+@db_option
+def submit(source: Path, as_json: bool, db_url: str, **options: Any) -> None:
+    """Submit a Parquet, JSONL or CSV file of rows (or a job file, jobs/*.toml) as a job.
+
+    Checks the file, its columns and every flag before writing anything. A bad row (null or empty
+    prompt, a prompt too long for the model) becomes a failed request with its reason; the rest of
+    the job goes on. Flags override a job file's settings.
+
+    \b
+    Example:
+      bulkgen submit data.parquet --prompt-column question --max-new-tokens 256 --name qa
+      bulkgen submit data.parquet --messages-column messages --temperature 0.7 --n 4
+      bulkgen submit jobs/demo.toml --max-new-tokens 64
+      bulkgen submit rows.jsonl --prompt-column text        # or rows.csv: streamed, same checks
+    """
+    spec = build_spec(source, options)
+    store = open_db(db_url)
+    with RowProgress("submit", unit="rows", enabled=not as_json) as advance:
+        report = submit_job(store, spec, log=lambda m: click.echo(m, err=True), on_rows=advance)
+    if as_json:
+        emit_json(report.to_dict())
+        return
+    failed = f", {report.num_failed} refused (see `bulkgen status {report.job_id}`)" if report.num_failed else ""
+    click.echo(f"job {report.job_id}: {report.num_requests} requests from {report.num_rows} rows{failed}; "
+               f"{report.num_prompt_tokens:,} prompt tokens; submitted in {report.seconds:.1f} s")
+    click.echo(f"next: bulkgen run {report.job_id}")
+
+
+@click.command("list", context_settings=CONTEXT)
+@click.option("--limit", type=int, default=50, show_default=True, help="Newest jobs first, at most this many.")
+@json_option
+@db_option
+def list_jobs(limit: int, as_json: bool, db_url: str) -> None:
+    """List jobs, newest first, with their progress.
+
+    \b
+    Example:
+      bulkgen list
+      bulkgen list --json | jq '.[] | select(.status == "running") | .id'
+    """
+    store = open_db(db_url)
+    with store.session_scope() as session:
+        summaries = job_ops.describe_jobs(session, job_ops.list_jobs(session, limit))
+    if as_json:
+        emit_json(summaries)
+        return
+    if not summaries:
+        click.echo("no jobs yet: `bulkgen submit FILE.parquet` creates one")
+        return
+    click.echo(f"{'ID':>4}  {'NAME':<20} {'STATUS':<10} {'DONE':>13} {'FAILED':>7}  {'CREATED':<20} MODEL")
+    for s in summaries:
+        done = f"{s['counts']['completed']}/{s['total']}"
+        click.echo(f"{s['id']:>4}  {(s['name'] or '-')[:20]:<20} {s['status']:<10} {done:>13} "
+                   f"{s['counts']['failed']:>7}  {s['created_at']:<20} {s['model']}")
+
+
+@click.command(cls=JobCommand, context_settings=CONTEXT)
+@click.argument("job_id", type=JOB_ID)
+@json_option
+@db_option
+def status(job_id: int, as_json: bool, db_url: str) -> None:
+    """Show a job: requests by state, tokens so far, throughput and ETA.
+
+    \b
+    Example:
+      bulkgen status 1
+      bulkgen status 1 --json | jq .counts.completed
+    """
+    store = open_db(db_url)
+    with store.session_scope() as session:
+        summary = job_ops.describe_jobs(session, [job_ops.get_job(session, job_id)])[0]
+        errors = job_ops.first_errors(session, job_id) if not as_json else []
+    if as_json:
+        emit_json(summary)
+        return
+    c = summary["counts"]
+    click.echo(f"job {summary['id']}" + (f" ({summary['name']})" if summary["name"] else "")
+               + f": {summary['status']} · model {summary['model']}")
+    click.echo(f"requests: {summary['total']} total · {c['completed']} completed · {c['failed']} failed · "
+               f"{c['pending']} pending · {c['running']} running · {c['cancelled']} cancelled")
+    rate = f" · {summary['output_tok_per_s']} output tok/s" if summary["output_tok_per_s"] is not None else ""
+    eta = f" · ETA {format_duration(summary['eta_s'])}" if summary["eta_s"] is not None else ""
+    click.echo(f"tokens: {summary['num_prompt_tokens']:,} prompt · {summary['num_output_tokens']:,} output"
+               f"{rate}{eta}")
+    for row, sample, error in errors:
+        click.echo(f"  failed row {row}" + (f" sample {sample}" if sample else "") + f": {error}")
+
+
+@click.command(cls=JobCommand, context_settings=CONTEXT)
+@click.argument("job_id", type=JOB_ID)
+@json_option
+@db_option
+def cancel(job_id: int, as_json: bool, db_url: str) -> None:
+    """Cancel a job: workers stop taking its requests; committed results stay.
+
+    \b
+    Example:
+      bulkgen cancel 1
+    """
+    store = open_db(db_url)
+    with store.session_scope(write=True) as session:
+        num_cancelled = job_ops.cancel_job(session, job_id)
+    if as_json:
+        emit_json({"job_id": job_id, "cancelled": num_cancelled})
+    else:
+        click.echo(f"job {job_id}: cancelled ({num_cancelled} requests not run)")
+
+
+@click.command(cls=JobCommand, context_settings=CONTEXT)
+@click.argument("job_id", type=JOB_ID)
+@json_option
+@db_option
+def retry(job_id: int, as_json: bool, db_url: str) -> None:
+    """Put a job's failed requests back in the queue (and a cancelled job's cancelled ones).
+
+    \b
+    Example:
+      bulkgen retry 1 && bulkgen run 1
+    """
+    store = open_db(db_url)
+    with store.session_scope(write=True) as session:
+        num_requeued = job_ops.retry_job(session, job_id)
+    if as_json:
+        emit_json({"job_id": job_id, "requeued": num_requeued})
+    else:
+        click.echo(f"job {job_id}: {num_requeued} requests back in the queue" +
+                   ("; next: bulkgen run" if num_requeued else ""))

@@ -1,0 +1,158 @@
+"""What the commands share: the group that turns bulkgen's errors into messages and exit codes (the only
+place that does), job-id arguments, the --db and --json options, the engine's options (one a field of
+EngineConfig, by its name), and small output helpers."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import click
+from sqlalchemy.engine import make_url
+from tqdm import tqdm
+
+from bulkgen.config import ATTENTION_BACKENDS, DTYPES, EngineConfig, Paths, parse_size
+from bulkgen.errors import BulkgenError
+from bulkgen.store import Store, open_store
+
+CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+JOB_ID_RULE = "a job id is a positive integer (see `bulkgen list`)"
+
+
+class JobIdType(click.ParamType):
+    name = "JOB_ID"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        text = str(value)
+        if not text.isdigit() or int(text) < 1:
+            self.fail(f"{JOB_ID_RULE}, got {text!r}", param, ctx)
+        return int(text)
+
+
+JOB_ID = JobIdType()
+
+
+class JobCommand(click.Command):
+    """A command taking job ids: `status -1` is a bad job id, not an unknown option `-1`."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except click.NoSuchOption as exc:
+            if exc.option_name.lstrip("-").isdigit():
+                raise click.BadParameter(f"{JOB_ID_RULE}, got {exc.option_name!r}", ctx=ctx,
+                                         param_hint="JOB_ID") from exc
+            raise
+
+
+class BulkgenGroup(click.Group):
+    """A group whose commands' BulkgenErrors become `error: ...` and the error's exit code."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except BulkgenError as exc:
+            click.echo(f"error: {exc}", err=True)
+            ctx.exit(exc.exit_code)
+
+
+def db_option(func: Callable) -> Callable:
+    @click.option("--db", "db_url", envvar="BULKGEN_DB", metavar="URL",
+                  help="Database URL (env BULKGEN_DB). Default: sqlite:///~/.local/share/bulkgen/bulkgen.db")
+    @functools.wraps(func)
+    def wrapper(*args: Any, db_url: str | None, **kwargs: Any) -> Any:
+        return func(*args, db_url=db_url or Paths().default_db_url, **kwargs)
+
+    return wrapper
+
+
+def json_option(func: Callable) -> Callable:
+    return click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")(func)
+
+
+def open_db(db_url: str) -> Store:
+    return open_store(db_url)
+
+
+def emit_json(data: Any) -> None:
+    click.echo(json.dumps(data, indent=2, default=str))
+
+
+def engine_options(func: Callable) -> Callable:
+    """Engine limits shared by `run` and `bench`; each option's name is its EngineConfig field's, and its
+    default the field's own."""
+    default = EngineConfig()
+    options = [
+        click.option("--dtype", type=click.Choice(DTYPES), default=default.dtype,
+                     show_default=True, help="Weights, activations and KV cache."),
+        click.option("--device", default=default.device, show_default=True, help="cpu, cuda, cuda:N or auto."),
+        click.option("--kv-cache-memory", metavar="SIZE",
+                     help="KV cache size, e.g. 2GiB (default: 4GiB or a quarter of free RAM on CPU; "
+                          "--gpu-memory-utilization on a GPU)."),
+        click.option("--gpu-memory-utilization", type=float, default=default.gpu_memory_utilization,
+                     show_default=True, help="Share of GPU memory for weights and KV cache."),
+        click.option("--max-num-seqs", type=int, default=default.max_num_seqs, show_default=True,
+                     help="Sequences running at once."),
+        click.option("--max-num-batched-tokens", type=int, default=default.max_num_batched_tokens,
+                     show_default=True, help="Tokens computed per engine step (the token budget)."),
+        click.option("--max-model-len", type=int, help="Cap on prompt + output tokens (default: the model's)."),
+        click.option("--block-size", type=int, default=default.block_size, show_default=True,
+                     help="Tokens per KV block."),
+        click.option("--attention-backend", type=click.Choice(ATTENTION_BACKENDS),
+                     default=default.attention_backend, show_default=True,
+                     help="kernel: bulkgen's C kernels (CPU); torch: pure torch; triton: the Triton kernels (a "
+                          "GPU's default; on a CPU only in Triton's interpreter)."),
+        click.option("--kernels", default=default.kernels, envvar="BULKGEN_KERNELS", show_default=True,
+                     metavar="SPEC",
+                     help="CPU path of each kernel family (linear, gated_mlp, decode_attention, "
+                          "prefill_attention, small_ops, sampler): auto (the faster, measured once on this "
+                          "machine), c, torch, or pairs such as linear=torch,attention=c. Also read from "
+                          "BULKGEN_KERNELS."),
+        click.option("--num-threads", type=int, help="CPU threads for torch (default: all cores)."),
+        click.option("--prefix-caching/--no-prefix-caching", "enable_prefix_caching",
+                     default=default.enable_prefix_caching, show_default=True,
+                     help="Share KV blocks of common prompt prefixes."),
+        click.option("--cuda-graphs/--no-cuda-graphs", default=default.cuda_graphs, show_default=True,
+                     help="GPU: replay decode steps as CUDA graphs captured per batch-size bucket "
+                          "(1, 2, 4, ... --max-num-seqs)."),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig))
+
+
+def engine_config(options: dict[str, Any]) -> EngineConfig:
+    """The EngineConfig of engine_options' values (taken out of `options`); sizes as the user wrote them."""
+    values = {name: options.pop(name) for name in list(options) if name in ENGINE_FIELDS}
+    if values.get("kv_cache_memory"):
+        values["kv_cache_memory"] = parse_size(values["kv_cache_memory"])
+    return EngineConfig(**{**values, "kv_cache_memory": values.get("kv_cache_memory") or None})
+
+
+def hide_password(url: str) -> str:
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # not a URL SQLAlchemy can read: shown as given
+        return url
+
+
+class RowProgress:
+    """A tqdm bar on a terminal, nothing otherwise (submit is quick next to a run)."""
+
+    def __init__(self, desc: str, unit: str, enabled: bool) -> None:
+        self.bar = tqdm(desc=desc, unit=unit, file=sys.stderr, leave=False) \
+            if enabled and sys.stderr.isatty() else None
+
+    def __enter__(self) -> Callable[[int], None]:
+        return self.bar.update if self.bar is not None else (lambda n: None)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.close()

@@ -1,0 +1,127 @@
+"""`bulkgen run`: the worker loop on this machine, or workers as Ray actors on a cluster."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+import click
+
+from bulkgen.cli.options import (
+    CONTEXT,
+    JOB_ID,
+    JobCommand,
+    db_option,
+    emit_json,
+    engine_config,
+    engine_options,
+    json_option,
+    open_db,
+)
+from bulkgen.config import EngineConfig
+from bulkgen.ray import RayOptions, require_ray, run_on_ray
+from bulkgen.store import Store
+from bulkgen.store import jobs as job_ops
+from bulkgen.store import queue as q
+from bulkgen.store.models import DEFAULT_PACKING, PACKINGS
+from bulkgen.worker import Worker, WorkerOptions
+
+
+@click.command(cls=JobCommand, context_settings=CONTEXT)
+@click.argument("job_ids", type=JOB_ID, nargs=-1)
+@engine_options
+@click.option("--lease-seconds", type=float, default=60.0, show_default=True,
+              help="A request's lease; a worker that stops heart-beating loses its requests after this.")
+@click.option("--commit-every", type=int, default=256, show_default=True, help="Commit after this many results...")
+@click.option("--commit-interval", type=float, default=2.0, show_default=True, help="...or this many seconds.")
+@click.option("--max-attempts", type=int, default=3, show_default=True,
+              help="A request abandoned by this many crashed workers fails instead of returning.")
+@click.option("--drain-timeout", type=float, default=30.0, show_default=True,
+              help="On SIGINT/SIGTERM: seconds running requests may take to finish before being released.")
+@click.option("--packing", type=click.Choice(PACKINGS), default=DEFAULT_PACKING, show_default=True,
+              help="Admission order: lpt = most output tokens first; sorted = by prompt length; fifo = as "
+                   "submitted.")
+@click.option("--kv-admission/--no-kv-admission", default=True, show_default=True,
+              help="Admit a request only if the KV cache can hold it to its end (avoids preemption).")
+@click.option("--wait", is_flag=True, help="Keep waiting for new jobs instead of exiting when the queue is empty.")
+@click.option("--log-every", type=click.FloatRange(min=0), default=30.0, show_default=True,
+              help="Seconds between progress lines when not on a terminal (0: a line every engine step).")
+@click.option("--progress/--no-progress", default=True, help="Show progress on stderr.")
+@click.option("-v", "--verbose", is_flag=True,
+              help="Say more on stderr: the CPU, and which path (C or torch) each kernel family took and why.")
+@click.option("--ray", "use_ray", is_flag=True,
+              help="Run the workers as Ray actors on a Ray cluster, all on this --db queue (bulkgen[ray]).")
+@click.option("--workers", type=int, help="With --ray: how many workers (default: one per GPU Ray sees, else 1).")
+@click.option("--ray-address", metavar="ADDR",
+              help="With --ray: the cluster's head (default: a running cluster if any, else a local one).")
+@click.option("--gpus-per-worker", type=float, help="With --ray: GPUs of each worker (default: 1 if the cluster "
+                                                    "has GPUs, else 0).")
+@click.option("--cpus-per-worker", type=float, default=1.0, show_default=True, help="With --ray: CPUs of each worker.")
+@click.option("--max-restarts", type=int, default=3, show_default=True,
+              help="With --ray: how often Ray restarts a worker whose process died.")
+@json_option
+@db_option
+def run(job_ids: tuple[int, ...], as_json: bool, db_url: str, lease_seconds: float, commit_every: int,
+        commit_interval: float, max_attempts: int, drain_timeout: float, packing: str, kv_admission: bool, wait: bool,
+        log_every: float, progress: bool, verbose: bool, use_ray: bool, workers: int | None, ray_address: str | None,
+        gpus_per_worker: float | None, cpus_per_worker: float, max_restarts: int, **engine: Any) -> None:
+    """Run queued jobs (all, or the given ones) until the queue is empty.
+
+    Results are committed as they finish: kill the worker at any moment and run it again, and it
+    carries on where it stopped, losing only what was in flight. SIGINT or SIGTERM stop it cleanly
+    (a second Ctrl-C stops at once). Several workers may share one database.
+
+    \b
+    Example:
+      bulkgen run
+      bulkgen run 3 --kv-cache-memory 2GiB --max-num-seqs 64
+      nohup bulkgen run --wait > worker.log 2>&1 &
+      bulkgen run -v --kernels linear=torch     # the linear layers in torch; say why each path
+      bulkgen run --ray --db postgresql+psycopg://user@host/bulkgen   # a worker per GPU of the Ray cluster
+    """
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    if verbose:
+        logging.getLogger("bulkgen").setLevel(logging.INFO)
+    options = WorkerOptions(job_ids=job_ids, lease_s=lease_seconds, commit_rows=commit_every,
+                            commit_interval_s=commit_interval, max_attempts=max_attempts,
+                            drain_timeout_s=drain_timeout, packing=packing, kv_admission=kv_admission, wait=wait,
+                            progress=progress and not as_json, log_every_s=log_every)
+    config = engine_config(engine)  # a bad flag is refused before the database is touched
+    ray_flags = {"--workers": workers, "--ray-address": ray_address, "--gpus-per-worker": gpus_per_worker}
+    if not use_ray and any(value is not None for value in ray_flags.values()):
+        raise click.UsageError(f"{', '.join(k for k, v in ray_flags.items() if v is not None)} go with --ray")
+    if use_ray:
+        ray_options = RayOptions(workers, ray_address, gpus_per_worker, cpus_per_worker, max_restarts)
+        require_ray()
+    store = open_db(db_url)
+    if job_ids:
+        with store.session_scope() as session:
+            for job_id in job_ids:
+                job_ops.get_job(session, job_id)
+    if use_ray:
+        _run_on_ray(store, db_url, config, options, ray_options, progress and not as_json, as_json)
+        return
+    summary = Worker(store, config, options).run()
+    if as_json:
+        emit_json(summary.to_dict())
+    else:
+        click.echo(summary.line(), err=True)
+
+
+def _run_on_ray(store: Store, db_url: str, config: EngineConfig, options: WorkerOptions, ray_options: RayOptions,
+                progress: bool, as_json: bool) -> None:
+    summary = run_on_ray(store, db_url, config, options, ray_options, progress)
+    if as_json:
+        emit_json(summary.to_dict())
+    else:
+        click.echo(summary.line(), err=True)
+    if summary.errors:
+        with store.session_scope() as session:
+            jobs = list(options.job_ids) or [job.id for job in q.runnable_jobs(session)]
+            left = q.queue_totals(session, jobs).num_pending if jobs else 0
+        for error in summary.errors:
+            click.echo(f"error: a worker stopped for good: {error}", err=True)
+        if left:
+            click.echo(f"error: {left} requests are left in the queue; `bulkgen run` again finishes them", err=True)
+        sys.exit(1)

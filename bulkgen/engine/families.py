@@ -1,0 +1,31 @@
+"""Which models the engine computes exactly: what a model uses that bulkgen's attention and paged KV cache
+do not compute is named here, and the runner refuses such a model at load (invariant 4: refused, never run
+to other outputs than the model's).
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Layers that carry a state from token to token instead of (or beside) attention: state-space mixers,
+# linear attention, short convolutions, recurrences. The engine runs each step on the new tokens alone
+# (use_cache=False) and keeps only paged K/V, so such a layer would see no past at all.
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+STATEFUL_MODULES = ("mamba", "gateddeltanet", "shortconv", "rwkv", "linearattention", "recurrent", "lstm")
+
+
+def unsupported_features(model: torch.nn.Module) -> str | None:
+    """What of the model our attention and KV cache do not compute yet (None: nothing). A model that
+    needs it is refused at load: run by bulkgen it would give other outputs than the model's."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    other = sorted(set(getattr(config, "layer_types", None) or ()) - set(ATTENTION_LAYER_TYPES))
+    stateful = sorted({type(m).__name__ for m in model.modules()
+                       if any(name in type(m).__name__.lower() for name in STATEFUL_MODULES)})
+    if other or stateful:
+        what = f"layers of type {', '.join(other)}" if other else f"{stateful[0]} layers"
+        return f"{what} (a state carried from token to token, which bulkgen's paged KV cache does not hold)"
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        return "attention logit softcapping (attn_logit_softcapping)"
+    if any(isinstance(getattr(m, "sinks", None), torch.nn.Parameter) for m in model.modules()):
+        return "attention sinks (a learned logit per head in the softmax)"
+    return None

@@ -1,0 +1,125 @@
+"""What bulkgen knows of a model from its config, without its weights: its shape (layers, heads, KV
+bytes per token, the attention type of each layer), its limits (context, sliding window) and its
+tokenizer. `resolve.py` turns a name into a directory; everything else asks here, so that submit,
+the engine, the CPU paths, the bench and export agree.
+
+No torch here: a shape is read off any object with a Hugging Face config's attributes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bulkgen.errors import ModelError
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # config.DTYPES, as stored in the KV cache
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes that the KV cache, the kernels' races and the roofline are computed from."""
+
+    num_layers: int
+    hidden: int
+    intermediate: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab: int
+    layer_types: tuple[str, ...]  # "full_attention" or "sliding_attention", one a layer
+
+    @classmethod
+    def of(cls, config: Any) -> ModelShape:
+        """The shape a Hugging Face config (or anything with its attributes) states."""
+        config = text_config(config)
+        num_heads = config.num_attention_heads
+        hidden = config.hidden_size
+        num_layers = config.num_hidden_layers
+        window = sliding_window(config)
+        layer_types = getattr(config, "layer_types", None) or \
+            ["sliding_attention" if window is not None else "full_attention"] * num_layers
+        return cls(num_layers=num_layers, hidden=hidden,
+                   intermediate=getattr(config, "intermediate_size", None) or 4 * hidden,
+                   num_heads=num_heads, num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+                   head_dim=getattr(config, "head_dim", None) or hidden // num_heads,
+                   vocab=config.vocab_size, layer_types=tuple(layer_types))
+
+    def kv_bytes_per_token(self, dtype: str) -> int:
+        """Bytes of K and V that one token holds, over all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES[dtype]
+
+
+def text_config(config: Any) -> Any:
+    """The language model's part of a config (a multimodal config nests it)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def context_length(config: Any, name: str) -> int:
+    """The longest sequence (prompt + output) the model was trained for."""
+    config = text_config(config)
+    for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    raise ModelError(f"cannot tell the context length of {name}: its config has no max_position_embeddings")
+
+
+def sliding_window(config: Any) -> int | None:
+    """The window over which some of the model's layers attend (None: every layer attends to the whole
+    context), read as transformers reads it: from `layer_types` where the config has them, else from
+    `sliding_window` unless `use_sliding_window` is off. bulkgen's attention does not slide yet, so a
+    sequence longer than this would differ from the model: such requests are refused (submit and engine)."""
+    config = text_config(config)
+    window = getattr(config, "sliding_window", None)
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return window if "sliding_attention" in layer_types else None
+    return window if getattr(config, "use_sliding_window", True) is not False else None
+
+
+def past_window(num_tokens: int, window: int | None) -> str | None:
+    """Why a sequence of num_tokens (prompt + max_new_tokens) cannot run exactly, or None."""
+    if window is None or num_tokens <= window:
+        return None
+    return (f"the model attends over a sliding window of {window} tokens, which bulkgen does not run yet (past "
+            f"it the outputs would differ from the model's); prompt and max_new_tokens must fit {window} tokens")
+
+
+def read_config(model_dir: Path) -> Any:
+    """The model directory's Hugging Face config."""
+    from transformers import AutoConfig  # here, not at the top: transformers is slow to import
+
+    try:
+        return AutoConfig.from_pretrained(model_dir)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelError(f"cannot read the config of {model_dir}: {exc}") from exc
+
+
+def limits(model_dir: Path) -> tuple[int, int | None]:
+    """The model's context length and its sliding window (or None)."""
+    config = read_config(model_dir)
+    return context_length(config, str(model_dir)), sliding_window(config)
+
+
+def chat_prompt(tokenizer: Any, messages: list[dict[str, Any]]) -> str:
+    """The model's chat template applied to messages, ready for the assistant's turn: the one call of it
+    (submit, the in-memory stage and the bench's workloads render here). ValueError with the template's
+    words where it fails."""
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as exc:  # a template may raise anything on messages it rejects
+        raise ValueError(f"chat template failed: {exc}") from exc
+
+
+def load_tokenizer(model_dir: Path) -> Any:
+    """The model's tokenizer: the one way submit, the engine and export load it."""
+    from transformers import AutoTokenizer  # here, not at the top: transformers is slow to import
+
+    try:
+        return AutoTokenizer.from_pretrained(model_dir)
+    except Exception as exc:  # a tokenizer's files can fail in many ways
+        raise ModelError(f"cannot load the tokenizer of {model_dir}: {exc}") from exc
