@@ -34,8 +34,9 @@ from bulkgen.packing import admission_for
 from bulkgen.prompts import PromptRenderer
 from bulkgen.resolve import DEFAULT_MODEL, resolve_model
 from bulkgen.store import jobs as job_ops
-from bulkgen.store import open_store
-from bulkgen.store.models import DEFAULT_PACKING, unpack_ids
+from bulkgen.store.db import open_store
+from bulkgen.store.models import unpack_ids
+from bulkgen.store.packings import DEFAULT_PACKING
 from bulkgen.submission import submit_job
 from bulkgen.worker import Worker, WorkerOptions
 

@@ -15,8 +15,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from bulkgen.store import Store
 from bulkgen.store import queue as q
+from bulkgen.store.db import Store
 
 log = logging.getLogger(__name__)
 

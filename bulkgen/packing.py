@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from bulkgen.errors import ConfigError
-from bulkgen.store.models import DEFAULT_PACKING, PACKINGS, SORT_KEYS
+from bulkgen.store.packings import DEFAULT_PACKING, PACKINGS, SORT_KEYS
 
 
 class Packable(Protocol):

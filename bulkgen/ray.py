@@ -26,9 +26,9 @@ from bulkgen.config import EngineConfig
 from bulkgen.errors import BulkgenError, ConfigError
 from bulkgen.lease import on_stop_signals
 from bulkgen.progress import Progress
-from bulkgen.store import Store, open_store
 from bulkgen.store import jobs as job_ops
 from bulkgen.store import queue as q
+from bulkgen.store.db import Store, open_store
 from bulkgen.worker import Worker, WorkerOptions
 
 __all__ = ["OUTPUT_COLUMNS", "Generate", "RayOptions", "generate", "run_on_ray"]

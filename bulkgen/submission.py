@@ -22,8 +22,8 @@ from bulkgen.io.rows import InputFile, detect_format, fingerprint
 from bulkgen.jobspec import JobSpec
 from bulkgen.prompts import PromptRenderer
 from bulkgen.resolve import resolve_model
-from bulkgen.store import Store
 from bulkgen.store import jobs as job_ops
+from bulkgen.store.db import Store
 from bulkgen.store.models import RequestState
 
 ROWS_PER_TRANSACTION = 16_384

@@ -29,9 +29,10 @@ from bulkgen.errors import ConfigError, PromptTooLongError, StoreError
 from bulkgen.lease import Heartbeat, on_stop_signals
 from bulkgen.packing import admission_for, check_packing
 from bulkgen.progress import Progress
-from bulkgen.store import Store
 from bulkgen.store import queue as q
-from bulkgen.store.models import DEFAULT_PACKING, Job, unpack_ids
+from bulkgen.store.db import Store
+from bulkgen.store.models import Job, unpack_ids
+from bulkgen.store.packings import DEFAULT_PACKING
 from bulkgen.writer import Flushed, ResultWriter
 
 if TYPE_CHECKING:

@@ -14,8 +14,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from bulkgen.store import Store
 from bulkgen.store import queue as q
+from bulkgen.store.db import Store
 from bulkgen.store.models import pack_ids
 
 

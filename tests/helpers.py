@@ -32,7 +32,7 @@ def invoke_json(*args: Any) -> Any:
 
 
 def count_rows(db_url: str, model: type) -> int:
-    from bulkgen.store import open_store
+    from bulkgen.store.db import open_store
 
     store = open_store(db_url)
     with store.session_scope() as session:

@@ -11,7 +11,8 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import create_engine, inspect
 
-from bulkgen.store import migrate, open_store
+from bulkgen.store import migrate
+from bulkgen.store.db import open_store
 from bulkgen.store.models import Base
 from tests.conftest import REPO
 from tests.helpers import invoke
@@ -68,7 +69,7 @@ def test_wheel_ships_the_migrations(tmp_path: Path) -> None:
     site = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],
                    check=True, capture_output=True)
-    code = ("import bulkgen, sys; from bulkgen.store import open_store, migrate; "
+    code = ("import bulkgen, sys; from bulkgen.store import migrate; from bulkgen.store.db import open_store; "
             f"open_store('sqlite:///{tmp_path / 'w.db'}'); print(bulkgen.__file__, migrate.script_location())")
     done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
                           env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"})
@@ -80,7 +81,7 @@ def test_many_workers_opening_a_new_database_at_once_migrate_it_once(make_db) ->
     """Workers started together on an empty database: one applies the migrations, the rest wait and find the
     schema at head (SQLite: its write lock; PostgreSQL: an advisory lock)."""
     url = make_db("race")
-    code = "import sys; from bulkgen.store import open_store; open_store(sys.argv[1]); print('ok')"
+    code = "import sys; from bulkgen.store.db import open_store; open_store(sys.argv[1]); print('ok')"
     procs = [subprocess.Popen([sys.executable, "-c", code, url], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for _ in range(4)]
     results = [p.communicate(timeout=120) for p in procs]

@@ -16,7 +16,7 @@ from bulkgen.config import EngineConfig, SamplingParams
 from bulkgen.engine.engine import Engine
 from bulkgen.errors import ModelError, PromptTooLongError
 from bulkgen.model import sliding_window
-from bulkgen.store import open_store
+from bulkgen.store.db import open_store
 from bulkgen.store.models import Request
 from tests.helpers import hf_greedy, invoke, invoke_json, write_parquet
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import func, select
 
-from bulkgen.store import open_store
+from bulkgen.store.db import open_store
 from bulkgen.store.models import Request, Result, Worker
 from tests.helpers import invoke, invoke_json
 from tests.test_worker_process import (

@@ -7,7 +7,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from bulkgen.store import open_store
+from bulkgen.store.db import open_store
 from bulkgen.store.models import Job, Request, RequestState, unpack_ids
 from tests.conftest import REPO
 from tests.helpers import count_rows, invoke, invoke_json, write_parquet

@@ -15,7 +15,7 @@ SCRIPT = """
 import json, resource, sys
 from pathlib import Path
 from bulkgen.jobspec import build_spec
-from bulkgen.store import open_store
+from bulkgen.store.db import open_store
 from bulkgen.submission import submit_job
 store = open_store(sys.argv[1])
 spec = build_spec(Path(sys.argv[2]), {"model": sys.argv[3], "max_new_tokens": 16})

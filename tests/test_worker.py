@@ -14,8 +14,8 @@ import torch
 from sqlalchemy import func, select
 
 from bulkgen.config import EngineConfig
-from bulkgen.store import open_store
 from bulkgen.store import queue as q
+from bulkgen.store.db import open_store
 from bulkgen.store.models import Job, Request, Result
 from bulkgen.worker import Worker, WorkerOptions
 from tests.helpers import invoke, invoke_json, write_parquet

@@ -16,7 +16,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 from sqlalchemy import func, select, text
 
-from bulkgen.store import open_store
+from bulkgen.store.db import open_store
 from bulkgen.store.models import Request, Result, Worker
 from tests.helpers import invoke, invoke_json, write_parquet
 

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from sqlalchemy import select
 
 from bulkgen.bench.suite import NullTokenizer, build_model, decode_roofline, measure_device
 from bulkgen.bench.workload import Workload
@@ -22,10 +21,7 @@ from bulkgen.config import EngineConfig, SamplingParams
 from bulkgen.engine.engine import Engine
 from bulkgen.engine.runner import TORCH_DTYPES
 from bulkgen.packing import admission_for, order
-from bulkgen.store import jobs as job_ops
-from bulkgen.store import open_store
-from bulkgen.store.models import DEFAULT_PACKING, Request, Result, unpack_ids
-from bulkgen.worker import Worker, WorkerOptions
+from bulkgen.store.packings import DEFAULT_PACKING
 
 
 def _sampling(spec: dict[str, Any], i: int) -> dict[str, Any]:
@@ -125,8 +121,13 @@ def run_bulkgen_store(spec: dict[str, Any], workload: Workload) -> dict[str, Any
     """The same requests end to end through the job store: queued in SQLite, run by a worker (claims,
     leases, heartbeats, commits), read back. The requests are written with the workload's own token
     ids, so the outputs compare with the engine's."""
+    # here, not at the top: the other engines run where the database packages are not installed (a GPU's)
+    from sqlalchemy import select
 
-
+    from bulkgen.store import jobs as job_ops
+    from bulkgen.store.db import open_store
+    from bulkgen.store.models import Request, Result, unpack_ids
+    from bulkgen.worker import Worker, WorkerOptions
 
     model_path = str(Path(spec["model"]).resolve())
     with tempfile.TemporaryDirectory() as tmp:

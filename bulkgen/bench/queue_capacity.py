@@ -15,7 +15,7 @@ from typing import Any
 from bulkgen.config import EngineConfig, SamplingParams
 from bulkgen.engine.protocol import EngineStats, RequestOutput
 from bulkgen.store import jobs as job_ops
-from bulkgen.store import open_store
+from bulkgen.store.db import open_store
 from bulkgen.worker import Worker, WorkerOptions
 
 JOB_MODEL = "bulkgen-queue-bench"  # the job's model: no engine loads it

@@ -23,7 +23,7 @@ from bulkgen.config import DTYPES
 from bulkgen.engine.cpu.kernels import CFLAGS_ENV
 from bulkgen.engine.cpu.machine import describe_cpu
 from bulkgen.errors import ConfigError
-from bulkgen.store.models import DEFAULT_PACKING, PACKINGS
+from bulkgen.store.packings import DEFAULT_PACKING, PACKINGS
 
 ENGINES = ("bulkgen", "bulkgen-store", "hf-static", "hf-static-sorted", "hf-cb", "vllm")
 VLLM_BLOCK_TOKENS = 128  # vLLM's KV block on its CPU backend

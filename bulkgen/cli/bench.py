@@ -16,7 +16,6 @@ from typing import Any
 import click
 
 from bulkgen.bench import workload as wl
-from bulkgen.bench.queue_capacity import run_queue_bench
 from bulkgen.bench.report import format_table, plot, write_json
 from bulkgen.bench.run import BenchOptions, child_runner, parse_engines, run_bench
 from bulkgen.bench.suite import SUITE_ENGINES, SUITE_MODELS, format_suite, run_suite, write_suite_json
@@ -25,8 +24,7 @@ from bulkgen.config import SamplingParams
 from bulkgen.jobspec import load_schema
 from bulkgen.model import ModelShape, load_tokenizer, read_config
 from bulkgen.resolve import DEFAULT_MODEL, resolve_model
-from bulkgen.store import open_store
-from bulkgen.store.models import DEFAULT_PACKING, PACKINGS
+from bulkgen.store.packings import DEFAULT_PACKING, PACKINGS
 
 
 class BenchGroup(BulkgenGroup):
@@ -254,6 +252,10 @@ def _make_workload(num_requests: int, workload: Path | None, seed: int, model: s
 
 
 def _queue(workers: str, dbs: tuple[str, ...], num_requests: int, max_num_seqs: int, json_path: Path | None) -> None:
+    # here, not at the top: the rest of bench runs where the database packages are not installed (a GPU's)
+    from bulkgen.bench.queue_capacity import run_queue_bench
+    from bulkgen.store.db import open_store
+
     try:
         counts = [int(n) for n in workers.split(",")]
     except ValueError:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import click
+from sqlalchemy.engine import make_url
 
-from bulkgen.cli.options import CONTEXT, BulkgenGroup, db_option, emit_json, hide_password, json_option
+from bulkgen.cli.options import CONTEXT, BulkgenGroup, db_option, emit_json, json_option
 from bulkgen.store import migrate
 from bulkgen.store.db import create_db_engine, opening
 
@@ -55,3 +56,10 @@ def current(as_json: bool, db_url: str) -> None:
         return
     state = "up to date" if revision == head else f"behind head {head} (run `bulkgen db upgrade`)"
     click.echo(f"{hide_password(db_url)}: revision {revision or '(empty)'}, {state}")
+
+
+def hide_password(url: str) -> str:
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # not a URL SQLAlchemy can read: shown as given
+        return url

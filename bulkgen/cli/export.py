@@ -6,8 +6,9 @@ from pathlib import Path
 
 import click
 
-from bulkgen.cli.options import CONTEXT, JOB_ID, JobCommand, db_option, emit_json, json_option, open_db
+from bulkgen.cli.options import CONTEXT, JOB_ID, JobCommand, db_option, emit_json, json_option
 from bulkgen.io.export import export_job, export_openai
+from bulkgen.store.db import open_store
 
 
 @click.command(cls=JobCommand, context_settings=CONTEXT)
@@ -43,7 +44,7 @@ def export(job_id: int, output: Path, include_inputs: bool, input_path: Path | N
     """
     if errors_path is not None and fmt != "openai":
         raise click.UsageError("--errors goes with --format openai")
-    store = open_db(db_url)
+    store = open_store(db_url)
     if fmt == "openai":
         report = export_openai(store, job_id, output, errors_path)
     else:

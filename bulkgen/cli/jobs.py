@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import click
+from tqdm import tqdm
 
-from bulkgen.cli.options import CONTEXT, JOB_ID, JobCommand, RowProgress, db_option, emit_json, json_option, open_db
+from bulkgen.cli.options import CONTEXT, JOB_ID, JobCommand, db_option, emit_json, json_option
 from bulkgen.io.rows import INPUT_FORMATS
 from bulkgen.jobspec import build_spec
 from bulkgen.progress import format_duration
 from bulkgen.store import jobs as job_ops
+from bulkgen.store.db import open_store
 from bulkgen.submission import submit_job
 
 
@@ -66,7 +70,7 @@ def submit(source: Path, as_json: bool, db_url: str, **options: Any) -> None:
       bulkgen submit rows.jsonl --prompt-column text        # or rows.csv: streamed, same checks
     """
     spec = build_spec(source, options)
-    store = open_db(db_url)
+    store = open_store(db_url)
     with RowProgress("submit", unit="rows", enabled=not as_json) as advance:
         report = submit_job(store, spec, log=lambda m: click.echo(m, err=True), on_rows=advance)
     if as_json:
@@ -90,7 +94,7 @@ def list_jobs(limit: int, as_json: bool, db_url: str) -> None:
       bulkgen list
       bulkgen list --json | jq '.[] | select(.status == "running") | .id'
     """
-    store = open_db(db_url)
+    store = open_store(db_url)
     with store.session_scope() as session:
         summaries = job_ops.describe_jobs(session, job_ops.list_jobs(session, limit))
     if as_json:
@@ -118,7 +122,7 @@ def status(job_id: int, as_json: bool, db_url: str) -> None:
       bulkgen status 1
       bulkgen status 1 --json | jq .counts.completed
     """
-    store = open_db(db_url)
+    store = open_store(db_url)
     with store.session_scope() as session:
         summary = job_ops.describe_jobs(session, [job_ops.get_job(session, job_id)])[0]
         errors = job_ops.first_errors(session, job_id) if not as_json else []
@@ -149,7 +153,7 @@ def cancel(job_id: int, as_json: bool, db_url: str) -> None:
     Example:
       bulkgen cancel 1
     """
-    store = open_db(db_url)
+    store = open_store(db_url)
     with store.session_scope(write=True) as session:
         num_cancelled = job_ops.cancel_job(session, job_id)
     if as_json:
@@ -169,7 +173,7 @@ def retry(job_id: int, as_json: bool, db_url: str) -> None:
     Example:
       bulkgen retry 1 && bulkgen run 1
     """
-    store = open_db(db_url)
+    store = open_store(db_url)
     with store.session_scope(write=True) as session:
         num_requeued = job_ops.retry_job(session, job_id)
     if as_json:
@@ -177,3 +181,18 @@ def retry(job_id: int, as_json: bool, db_url: str) -> None:
     else:
         click.echo(f"job {job_id}: {num_requeued} requests back in the queue" +
                    ("; next: bulkgen run" if num_requeued else ""))
+
+
+class RowProgress:
+    """A tqdm bar on a terminal, nothing otherwise (submit is quick next to a run)."""
+
+    def __init__(self, desc: str, unit: str, enabled: bool) -> None:
+        self.bar = tqdm(desc=desc, unit=unit, file=sys.stderr, leave=False) \
+            if enabled and sys.stderr.isatty() else None
+
+    def __enter__(self) -> Callable[[int], None]:
+        return self.bar.update if self.bar is not None else (lambda n: None)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.close()

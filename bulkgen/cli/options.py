@@ -1,23 +1,21 @@
 """What the commands share: the group that turns bulkgen's errors into messages and exit codes (the only
-place that does), job-id arguments, the --db and --json options, the engine's options (one a field of
-EngineConfig, by its name), and small output helpers."""
+place that does) and loads each command's module when it runs, job-id arguments, the --db and --json
+options, the engine's options (one a field of EngineConfig, by its name). Nothing here needs the database
+packages: `bench suite` runs on a GPU machine that has none (.ci/gpu-check)."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import json
-import sys
 from collections.abc import Callable
 from typing import Any
 
 import click
-from sqlalchemy.engine import make_url
-from tqdm import tqdm
 
 from bulkgen.config import ATTENTION_BACKENDS, DTYPES, EngineConfig, Paths, parse_size
 from bulkgen.errors import BulkgenError
-from bulkgen.store import Store, open_store
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 JOB_ID_RULE = "a job id is a positive integer (see `bulkgen list`)"
@@ -50,7 +48,22 @@ class JobCommand(click.Command):
 
 
 class BulkgenGroup(click.Group):
-    """A group whose commands' BulkgenErrors become `error: ...` and the error's exit code."""
+    """A group whose commands' BulkgenErrors become `error: ...` and the error's exit code. `lazy` names
+    commands by "module:attribute", imported when the command runs or shows its help: a command loads its
+    own module's imports only (`bulkgen --help` loads them all, for their one-line summaries)."""
+
+    def __init__(self, *args: Any, lazy: dict[str, str] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.lazy = lazy or {}
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *self.lazy})
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name in self.lazy and name not in self.commands:
+            module, attribute = self.lazy[name].split(":")
+            self.add_command(getattr(importlib.import_module(module), attribute), name)
+        return super().get_command(ctx, name)
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -72,10 +85,6 @@ def db_option(func: Callable) -> Callable:
 
 def json_option(func: Callable) -> Callable:
     return click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")(func)
-
-
-def open_db(db_url: str) -> Store:
-    return open_store(db_url)
 
 
 def emit_json(data: Any) -> None:
@@ -134,25 +143,3 @@ def engine_config(options: dict[str, Any]) -> EngineConfig:
     if values.get("kv_cache_memory"):
         values["kv_cache_memory"] = parse_size(values["kv_cache_memory"])
     return EngineConfig(**{**values, "kv_cache_memory": values.get("kv_cache_memory") or None})
-
-
-def hide_password(url: str) -> str:
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except Exception:  # not a URL SQLAlchemy can read: shown as given
-        return url
-
-
-class RowProgress:
-    """A tqdm bar on a terminal, nothing otherwise (submit is quick next to a run)."""
-
-    def __init__(self, desc: str, unit: str, enabled: bool) -> None:
-        self.bar = tqdm(desc=desc, unit=unit, file=sys.stderr, leave=False) \
-            if enabled and sys.stderr.isatty() else None
-
-    def __enter__(self) -> Callable[[int], None]:
-        return self.bar.update if self.bar is not None else (lambda n: None)
-
-    def __exit__(self, *exc: object) -> None:
-        if self.bar is not None:
-            self.bar.close()

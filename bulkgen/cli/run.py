@@ -17,14 +17,13 @@ from bulkgen.cli.options import (
     engine_config,
     engine_options,
     json_option,
-    open_db,
 )
 from bulkgen.config import EngineConfig
 from bulkgen.ray import RayOptions, require_ray, run_on_ray
-from bulkgen.store import Store
 from bulkgen.store import jobs as job_ops
 from bulkgen.store import queue as q
-from bulkgen.store.models import DEFAULT_PACKING, PACKINGS
+from bulkgen.store.db import Store, open_store
+from bulkgen.store.packings import DEFAULT_PACKING, PACKINGS
 from bulkgen.worker import Worker, WorkerOptions
 
 
@@ -94,7 +93,7 @@ def run(job_ids: tuple[int, ...], as_json: bool, db_url: str, lease_seconds: flo
     if use_ray:
         ray_options = RayOptions(workers, ray_address, gpus_per_worker, cpus_per_worker, max_restarts)
         require_ray()
-    store = open_db(db_url)
+    store = open_store(db_url)
     if job_ids:
         with store.session_scope() as session:
             for job_id in job_ids:

@@ -22,7 +22,7 @@ from bulkgen.errors import InputError
 from bulkgen.io.openai_batch import output_line
 from bulkgen.io.rows import InputColumns, InputFile, fingerprint
 from bulkgen.model import load_tokenizer
-from bulkgen.store import Store
+from bulkgen.store.db import Store
 from bulkgen.store.jobs import get_job, results_page
 from bulkgen.store.models import Job, JobStatus, RequestState, unpack_ids
 

@@ -21,8 +21,6 @@ from sqlalchemy.orm import Session
 
 from bulkgen.store.jobs import state_totals
 from bulkgen.store.models import (
-    DEFAULT_PACKING,
-    SORT_KEYS,
     Job,
     JobStatus,
     Request,
@@ -31,6 +29,7 @@ from bulkgen.store.models import (
     Worker,
     utcnow,
 )
+from bulkgen.store.packings import DEFAULT_PACKING, SORT_KEYS
 
 RUNNABLE_JOBS = (JobStatus.QUEUED.value, JobStatus.RUNNING.value)
 SHAPE_SAMPLE = 1024  # pending requests whose mean length sizes a claim
@@ -108,7 +107,7 @@ def dead_local_workers(session: Session) -> list[str]:
 def claim(session: Session, worker_id: str, job_ids: list[int], limit: int, lease_s: float,
           packing: str = DEFAULT_PACKING) -> list[ClaimedRequest]:
     """Lease up to `limit` pending requests of the given jobs (older jobs first), in the packer's order
-    (models.SORT_KEYS: lpt, most output tokens first, then longest prompt, then latest submitted; sorted,
+    (packings.SORT_KEYS: lpt, most output tokens first, then longest prompt, then latest submitted; sorted,
     shortest prompt first; fifo, as submitted)."""
     if limit <= 0 or not job_ids:
         return []
