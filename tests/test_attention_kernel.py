@@ -32,12 +32,25 @@ def test_kernel_matches_torch(build: str, dtype: torch.dtype, head_dim: int, blo
     tables = torch.randperm(num_blocks)[:seqs * 6].view(seqs, 6).int()
     lens = torch.tensor([1, 7, block_size, 2 * block_size + 1, 6 * block_size], dtype=torch.int32)
     q = torch.randn(seqs, kv_heads * group, head_dim).to(dtype)
-    meta = AttentionMetadata([k], [v], None, None, None, seqs, tables, lens, int(lens.max()),
-                             decode_kernel=kernel(build), num_threads=2)
+    meta = decode_meta(k, v, tables, lens, int(lens.max()), decode_kernel=kernel(build), num_threads=2)
     got = decode_c(meta, q, k, v, head_dim**-0.5).float()
     want = decode_torch(q.float(), k.float(), v.float(), tables, lens, head_dim**-0.5)
     assert torch.allclose(got, want, atol=2e-2 if dtype == torch.bfloat16 else 1e-5)
 
+
+
+def decode_meta(k, v, tables, lens, max_len: int, **kernels) -> AttentionMetadata:
+    """A decode-only step's metadata: every row a decoding sequence, nothing written."""
+    return AttentionMetadata(k_caches=[k], v_caches=[v], slots=None, slot_blocks=None, slot_offsets=None,
+                             num_decode_tokens=tables.shape[0], decode_block_tables=tables, decode_context_lens=lens,
+                             decode_max_context_len=max_len, **kernels)
+
+
+def write_meta(k, v, slots, block_size: int, **rest) -> AttentionMetadata:
+    """A step that writes the K/V of `slots` (and attends for `prefills`, if given): no decode rows."""
+    return AttentionMetadata(k_caches=[k], v_caches=[v], slots=slots, slot_blocks=slots // block_size,
+                             slot_offsets=slots % block_size, num_decode_tokens=0, decode_block_tables=None,
+                             decode_context_lens=None, decode_max_context_len=0, **rest)
 
 def test_portable_bfloat16_path_matches_torch() -> None:
     """Without AVX512-BF16 the bfloat16 scores split each K pair into two float32 vectors instead."""
@@ -51,8 +64,7 @@ def test_portable_bfloat16_path_matches_torch() -> None:
         tables = torch.randperm(num_blocks)[:seqs * 5].view(seqs, 5).int()
         lens = torch.tensor([1, 33, 100, 160], dtype=torch.int32)
         q = torch.randn(seqs, kv_heads * 3, head_dim).bfloat16()
-        meta = AttentionMetadata([k], [v], None, None, None, seqs, tables, lens, 160,
-                                 decode_kernel=kernel("no-avx512bf16"), num_threads=2)
+        meta = decode_meta(k, v, tables, lens, 160, decode_kernel=kernel("no-avx512bf16"), num_threads=2)
         got = decode_c(meta, q, k, v, head_dim**-0.5).float()
         want = decode_torch(q.float(), k.float(), v.float(), tables, lens, head_dim**-0.5)
         assert torch.allclose(got, want, atol=2e-2)
@@ -71,8 +83,7 @@ def test_kernel_write_matches_torch(build: str, dtype: torch.dtype) -> None:
     for library in (kernel(build), None):
         k = torch.zeros(num_blocks, *k_block_shape(kv_heads, head_dim, block_size, dtype), dtype=dtype)
         v = torch.zeros(num_blocks, kv_heads, block_size, head_dim, dtype=dtype)
-        meta = AttentionMetadata([k], [v], slots, slots // block_size, slots % block_size, 0, None, None, 0,
-                                 write_kernel=library)
+        meta = write_meta(k, v, slots, block_size, write_kernel=library)
         write_kv(meta, key, value, k, v)
         caches.append((k, v))
     (k_c, v_c), (k_t, v_t) = caches
@@ -107,8 +118,7 @@ def test_prefill_through_kernel_matches_torch(build: str, dtype: torch.dtype, he
         v = torch.zeros(num_blocks, kv_heads, block_size, head_dim, dtype=dtype)
         cached = slots_all[:start]
         if start:
-                meta = AttentionMetadata([k], [v], cached, cached // block_size, cached % block_size, 0, None, None,
-                                         0, [])
+                meta = write_meta(k, v, cached, block_size)
                 write_kv(meta, keys[:start], values[:start], k, v)
         chunk = PrefillChunk(offset=0, num_tokens=num_tokens, start=start)
         if start:
@@ -118,8 +128,8 @@ def test_prefill_through_kernel_matches_torch(build: str, dtype: torch.dtype, he
         if library is not None:
             chunk.block_table = table
         new = slots_all[start:]
-        meta = AttentionMetadata([k], [v], new, new // block_size, new % block_size, 0, None, None, 0, [chunk],
-                                 prefill_kernel=library, write_kernel=library, num_threads=2)
+        meta = write_meta(k, v, new, block_size, prefills=[chunk], prefill_kernel=library, write_kernel=library,
+                          num_threads=2)
         outs.append(attend(meta, 0, query, keys[start:], values[start:], head_dim**-0.5).float())
     tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
     assert torch.allclose(outs[0], outs[1], atol=tolerance), (outs[0] - outs[1]).abs().max()

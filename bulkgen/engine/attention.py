@@ -60,9 +60,10 @@ class PrefillChunk:
     block_table: torch.Tensor | None = None  # [num_blocks] int32: the sequence's blocks (for the C kernel)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class AttentionMetadata:
-    """What every layer's attention needs for one step (built once per step by the runner)."""
+    """What every layer's attention needs for one step (built once per step by the runner, by keyword: each
+    backend sets what it reads)."""
 
     k_caches: list[torch.Tensor]  # per layer: [num_blocks, *k_block_shape(...)] (K transposed in its block)
     v_caches: list[torch.Tensor]  # per layer: [num_blocks, num_kv_heads, block_size, head_dim]

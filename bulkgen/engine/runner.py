@@ -174,9 +174,10 @@ class ModelRunner:
                                            [s.seq.num_computed_tokens + 1 for s in decodes],
                                            [(c.offset, c.num_tokens, c.start, c.block_table) for c in chunks],
                                            self.device, self.shape.num_kv_heads, group)
-        meta = attention.AttentionMetadata(self._k_caches, self._v_caches, step.slots, step.slots, step.slots,
-                                           len(decodes), step.decode_block_tables, step.decode_context_lens, 0,
-                                           triton=step)
+        meta = attention.AttentionMetadata(
+            k_caches=self._k_caches, v_caches=self._v_caches, slots=step.slots, slot_blocks=step.slots,
+            slot_offsets=step.slots, num_decode_tokens=len(decodes), decode_block_tables=step.decode_block_tables,
+            decode_context_lens=step.decode_context_lens, decode_max_context_len=0, triton=step)
         return meta, ids, pos, keep
 
     def _metadata(self, decodes: list[ScheduledSeq], slots: list[int],

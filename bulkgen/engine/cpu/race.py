@@ -156,8 +156,10 @@ def _decode_race(kernel: Kernels, dtype: torch.dtype, shape: ModelShape, block_s
     k_cache, v_cache, tables = _paged_cache(generator, dtype, shape, block_size, DECODE_ROWS, context)
     lens = torch.full((DECODE_ROWS,), context, dtype=torch.int32)
     q = _randn(generator, dtype, DECODE_ROWS, shape.num_heads, shape.head_dim)
-    meta = attention.AttentionMetadata([k_cache], [v_cache], None, None, None, DECODE_ROWS, tables, lens, context,
-                                       decode_kernel=kernel, num_threads=torch.get_num_threads())
+    meta = attention.AttentionMetadata(k_caches=[k_cache], v_caches=[v_cache], slots=None, slot_blocks=None,
+                                       slot_offsets=None, num_decode_tokens=DECODE_ROWS, decode_block_tables=tables,
+                                       decode_context_lens=lens, decode_max_context_len=context, decode_kernel=kernel,
+                                       num_threads=torch.get_num_threads())
     scale = shape.head_dim ** -0.5
     c_s, torch_s = _best_of(lambda: decode_c(meta, q, k_cache, v_cache, scale),
                             lambda: attention.decode_torch(q, k_cache, v_cache, tables, lens, scale), reps=5)
@@ -189,8 +191,10 @@ def _prefill_race(kernel: Kernels, dtype: torch.dtype, shape: ModelShape, block_
     q = _randn(generator, dtype, rows, shape.num_heads, shape.head_dim)
     k, v = (_randn(generator, dtype, rows, shape.num_kv_heads, shape.head_dim) for _ in range(2))
     chunk = attention.PrefillChunk(offset=0, num_tokens=rows, start=0, block_table=tables[0])
-    meta = attention.AttentionMetadata([k_cache], [v_cache], None, None, None, 0, tables[:0], tables[0, :0], 0,
-                                       [chunk], prefill_kernel=kernel, num_threads=torch.get_num_threads())
+    meta = attention.AttentionMetadata(k_caches=[k_cache], v_caches=[v_cache], slots=None, slot_blocks=None,
+                                       slot_offsets=None, num_decode_tokens=0, decode_block_tables=tables[:0],
+                                       decode_context_lens=tables[0, :0], decode_max_context_len=0, prefills=[chunk],
+                                       prefill_kernel=kernel, num_threads=torch.get_num_threads())
     scale = shape.head_dim ** -0.5
 
     def in_torch() -> torch.Tensor:  # attention.attend's path for a chunk with nothing cached before it

@@ -105,8 +105,10 @@ class DecodeGraphs:
                                                          256 if self.capture else 2 * size * self.num_kv_heads),
             tile_chunks=empty, tile_rows=empty, chunk_offsets=empty, chunk_lens=empty, chunk_starts=empty,
             chunk_block_tables=empty.view(0, 0))
-        meta = AttentionMetadata(self.k_caches, self.v_caches, step.slots, step.slots, step.slots, size,
-                                 step.decode_block_tables, step.decode_context_lens, 0, triton=step)
+        meta = AttentionMetadata(k_caches=self.k_caches, v_caches=self.v_caches, slots=step.slots,
+                                 slot_blocks=step.slots, slot_offsets=step.slots, num_decode_tokens=size,
+                                 decode_block_tables=step.decode_block_tables,
+                                 decode_context_lens=step.decode_context_lens, decode_max_context_len=0, triton=step)
         keep = self.keep[:size]
 
         def eager() -> torch.Tensor:
