@@ -22,9 +22,10 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from bulkgen.config import EngineConfig, SamplingParams, request_sampling
+from bulkgen.engine.protocol import EngineProtocol
 from bulkgen.errors import ConfigError, PromptTooLongError, StoreError
 from bulkgen.lease import Heartbeat, on_stop_signals
 from bulkgen.packing import admission_for, check_packing
@@ -34,9 +35,6 @@ from bulkgen.store.db import Store
 from bulkgen.store.models import Job, unpack_ids
 from bulkgen.store.packings import DEFAULT_PACKING
 from bulkgen.writer import Flushed, ResultWriter
-
-if TYPE_CHECKING:
-    from bulkgen.engine.protocol import EngineProtocol
 
 log = logging.getLogger(__name__)
 

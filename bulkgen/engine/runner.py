@@ -77,7 +77,7 @@ class ModelRunner:
     def limit_context(self, max_model_len: int) -> None:
         """The engine's cap on a sequence's tokens: decode graphs' block tables are that wide."""
         if self.use_graphs:
-            from bulkgen.engine.gpu.graphs import DecodeGraphs
+            from bulkgen.engine.gpu.graphs import DecodeGraphs  # here: triton is optional
 
             self.decode_graphs = DecodeGraphs(
                 self.forward, self._k_caches, self._v_caches, scratch_block=self.num_blocks, block_size=self.block_size,
