@@ -120,7 +120,7 @@ class EngineConfig:
 
     dtype: str = "float32"
     device: str = "auto"
-    block_size: int = 32  # tokens per KV block (32 reads K/V in longer runs than 16: +7-9 % on the 256-prompt bench)
+    block_size: int = 32  # tokens per KV block (32 reads K/V in longer runs than 16: BENCHMARKS.md, session 7)
     kv_cache_memory: int | None = None  # bytes for K and V of all layers
     gpu_memory_utilization: float = 0.9  # share of GPU memory for weights + KV when kv_cache_memory is None
     max_num_seqs: int = 256  # sequences running at once

@@ -30,7 +30,7 @@ class Linear:
         self.bias = bias
         if self.kernel is not None:
             self.dtype = weight.dtype
-            self._linear = self.kernel.linear_f32 if weight.dtype == torch.float32 else self.kernel.linear_bf16
+            self._linear = self.kernel.typed("linear", weight.dtype)
             self.weight = pack_weight(self.kernel, weight)
             self.bias = None if bias is None else bias.contiguous()
         elif self.packed:
@@ -74,7 +74,7 @@ def kernel_takes(kernel: Kernels | None, weight: torch.Tensor) -> bool:
 
 def pack_weight(kernel: Kernels, weight: torch.Tensor) -> torch.Tensor:
     """weight [N, K] in the C linear layers' panels."""
-    pack = kernel.pack_linear_f32 if weight.dtype == torch.float32 else kernel.pack_linear_bf16
+    pack = kernel.typed("pack_linear", weight.dtype)
     n, k = weight.shape
     out = torch.empty(kernel.linear_packed_size(N=n, K=k), dtype=weight.dtype)
     pack(w=weight.contiguous().data_ptr(), N=n, K=k, out=out.data_ptr(), num_threads=torch.get_num_threads())
@@ -95,7 +95,7 @@ class GatedLinear:
         if pack and gate.bias is None and up.bias is None and kernel_takes(kernel, gate.weight):
             self.dtype = gate.weight.dtype
             self.weight = torch.cat([pack_weight(kernel, lin.weight.detach()) for lin in (gate, up)])
-            self._function = kernel.linear_silu_mul_f32 if self.dtype == torch.float32 else kernel.linear_silu_mul_bf16
+            self._function = kernel.typed("linear_silu_mul", self.dtype)
         else:
             self.linear = fused(gate, up, pack=pack, kernel=kernel)
 

@@ -37,7 +37,7 @@ def prefill_c(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor, v
     num_rows, num_heads, head_dim = q32.shape
     _, num_kv_heads, block_size, _ = v_cache.shape
     kernel = meta.prefill_kernel
-    function = kernel.paged_prefill_f32 if k_cache.dtype == torch.float32 else kernel.paged_prefill_bf16
+    function = kernel.typed("paged_prefill", k_cache.dtype)
     status = function(q=q32.data_ptr(), k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr(),
                       table=chunk.block_table.data_ptr(), start=chunk.start, n=num_rows, out=out.data_ptr(),
                       num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
@@ -60,7 +60,7 @@ def _paged_c(kernel: Kernels, meta: AttentionMetadata, q: torch.Tensor, k_cache:
     out = torch.empty_like(q32)
     num_rows, num_heads, head_dim = q32.shape
     _, num_kv_heads, block_size, _ = v_cache.shape
-    function = kernel.paged_decode_f32 if k_cache.dtype == torch.float32 else kernel.paged_decode_bf16
+    function = kernel.typed("paged_decode", k_cache.dtype)
     failed = function(q=q32.data_ptr(), k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr(),
                       block_tables=tables.data_ptr(), block_table_stride=table_stride,
                       context_lens=context_lens.data_ptr(), out=out.data_ptr(), num_seqs=num_rows,

@@ -23,6 +23,7 @@ import tempfile
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 from bulkgen.config import Paths
 from bulkgen.engine.cpu.machine import cpu_flags_line
@@ -97,6 +98,11 @@ class Kernels:
             function = getattr(library, name)
             function.restype, function.argtypes = restype, [kind for _, kind in params]
             setattr(self, name, named(function, name, params))
+
+    def typed(self, name: str, dtype: object) -> Callable[..., Any]:
+        """The float32 (`NAME_f32`) or bfloat16 (`NAME_bf16`) version of a kernel, for a torch dtype: the one
+        place the element type picks the C function."""
+        return getattr(self, f"{name}_{'f32' if str(dtype) == 'torch.float32' else 'bf16'}")
 
 
 def load_cpu_kernels(extra_flags: tuple[str, ...] = ()) -> Kernels | None:
