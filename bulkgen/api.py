@@ -25,7 +25,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from bulkgen.config import EngineConfig, Paths, SamplingParams, parse_size, request_sampling, request_seed
+from bulkgen.config import EngineConfig, Paths, SamplingParams, request_sampling, request_seed
 from bulkgen.errors import ConfigError
 from bulkgen.io.export import RESULT_SCHEMA, export_job
 from bulkgen.io.rows import check_columns
@@ -97,7 +97,7 @@ def run(job_ids: Sequence[int] | None = None, db: str | None = None, progress: b
     if unknown:
         raise ConfigError(f"unknown run option(s) {unknown}; engine: {sorted(engine_keys)}, worker: "
                           f"{sorted(worker_keys)}")
-    engine = _engine_config({k: v for k, v in options.items() if k in engine_keys})
+    engine = EngineConfig.from_options({k: v for k, v in options.items() if k in engine_keys})
     worker = WorkerOptions(job_ids=tuple(job_ids or ()), progress=progress,
                            **{k: v for k, v in options.items() if k in worker_keys})
     return Worker(open_store(db or Paths().default_db_url), engine, worker).run().to_dict()
@@ -151,13 +151,6 @@ def _as_file(source: Any, options: dict[str, Any]) -> Path:
     return path
 
 
-def _engine_config(options: dict[str, Any]) -> EngineConfig:
-    options = dict(options)
-    if isinstance(options.get("kv_cache_memory"), str):
-        options["kv_cache_memory"] = parse_size(options["kv_cache_memory"])
-    return EngineConfig(**options)
-
-
 class Generate:
     """bulkgen's engine over tables in memory, no database: `bulkgen.generate` calls it, and it is the Ray Data
     stage (`dataset.map_batches(Generate, fn_constructor_kwargs={...}, batch_format="pyarrow", concurrency=N,
@@ -183,7 +176,7 @@ class Generate:
                             sampling=SamplingParams.from_dict({"seed": 0, **(sampling or {})}))
         resolved = resolve_model(self.spec.model)
         self.renderer = PromptRenderer(self.spec, resolved.path)
-        self.engine = Engine(resolved.path, _engine_config(engine or {}), tokenizer=self.renderer.tokenizer,
+        self.engine = Engine(resolved.path, EngineConfig.from_options(engine or {}), tokenizer=self.renderer.tokenizer,
                              admission=admission_for(packing, True))
 
     def __call__(self, batch: Any) -> Any:

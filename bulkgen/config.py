@@ -158,6 +158,13 @@ class EngineConfig:
                f"num-threads must be >= 1, got {self.num_threads!r}")
         parse_kernels(self.kernels)
 
+    @classmethod
+    def from_options(cls, options: dict[str, Any]) -> EngineConfig:
+        """An EngineConfig of options named as its fields (the CLI's, the API's), a KV cache size as written
+        ("2GiB", or a number of bytes; empty: derived). The one place a user's engine options become one."""
+        size = options.get("kv_cache_memory")
+        return cls(**{**options, "kv_cache_memory": parse_size(size) if size else None})
+
 
 def parse_json_schema(text: str, what: str = "the JSON schema") -> dict[str, Any]:
     """A JSON schema's text -> the schema (a JSON object); ConfigError naming `what` otherwise."""

@@ -29,9 +29,9 @@ Messages = list[dict[str, Any]]
 class PromptRenderer:
     """Turns input rows into request rows for one job spec and one model."""
 
-    def __init__(self, spec: JobSpec, model_dir: Path, tokenizer: Any = None) -> None:
+    def __init__(self, spec: JobSpec, model_dir: Path) -> None:
         self.spec = spec
-        self.tokenizer = tokenizer or load_tokenizer(model_dir)
+        self.tokenizer = load_tokenizer(model_dir)
         self.context_length, self.sliding_window = limits(model_dir)
         sampling = spec.sampling
         if spec.uses_chat_template and not getattr(self.tokenizer, "chat_template", None):

@@ -145,7 +145,7 @@ class _Counts:
         """A job with no row, or with no row that can run, is refused whole (nothing stays submitted)."""
         if self.rows == 0:
             raise InputError(f"{source.path} has no {source.noun}s: nothing to submit")
-        if self.failed == self.requests:
+        if self.requests and self.failed == self.requests:
             row, error = self.first_error
             raise InputError(f"no {source.noun} of {source.path} can run: all {self.rows} {source.noun}s are bad "
                              f"(row {row}: {error}); fix the input or the flags (nothing was submitted)")

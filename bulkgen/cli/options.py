@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from bulkgen.config import ATTENTION_BACKENDS, DTYPES, EngineConfig, Paths, parse_size
+from bulkgen.config import ATTENTION_BACKENDS, DTYPES, EngineConfig, Paths
 from bulkgen.errors import BulkgenError
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
@@ -139,7 +139,4 @@ ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig))
 
 def engine_config(options: dict[str, Any]) -> EngineConfig:
     """The EngineConfig of engine_options' values (taken out of `options`); sizes as the user wrote them."""
-    values = {name: options.pop(name) for name in list(options) if name in ENGINE_FIELDS}
-    if values.get("kv_cache_memory"):
-        values["kv_cache_memory"] = parse_size(values["kv_cache_memory"])
-    return EngineConfig(**{**values, "kv_cache_memory": values.get("kv_cache_memory") or None})
+    return EngineConfig.from_options({name: options.pop(name) for name in list(options) if name in ENGINE_FIELDS})

@@ -50,12 +50,15 @@ class Constraints:
         """The masks of the constrained sequences this step samples (those whose prompt is all computed)."""
         seqs = [s.seq for s in scheduled if s.seq.matcher is not None
                 and s.seq.num_computed_tokens + s.num_new_tokens == s.seq.num_tokens]
+        if not seqs:
+            return NO_MASKS  # an unconstrained step pays for the list above only
         masks = StepMasks(self, seqs)
-        if seqs and self.overlap:
+        if self.overlap:
             masks.start()
         return masks
 
-    def _start(self, matchers: list[Any]) -> Future:
+    def start_fill(self, matchers: list[Any]) -> Future:
+        """The next-token bitmasks of these matchers, filled on llguidance's threads."""
         ll = self._schemas.ll
         mask = ll.torch.allocate_token_bitmask(len(matchers), self._schemas.tokenizer.vocab_size)
         return self._pool.submit(_fill, ll, self._executor, matchers, mask)
@@ -64,12 +67,12 @@ class Constraints:
 class StepMasks:
     """One step's masks: started before the forward pass or after it, applied to its logits."""
 
-    def __init__(self, constraints: Constraints, seqs: list[Sequence]) -> None:
+    def __init__(self, constraints: Constraints | None, seqs: list[Sequence]) -> None:
         self.constraints, self.seqs = constraints, seqs
         self.future: Future | None = None
 
     def start(self) -> None:
-        self.future = self.constraints._start([seq.matcher for seq in self.seqs])
+        self.future = self.constraints.start_fill([seq.matcher for seq in self.seqs])
 
     @torch.inference_mode()
     def apply(self, logits: torch.Tensor, sampled: list[Sequence]) -> None:
@@ -84,6 +87,9 @@ class StepMasks:
         kernel = self.constraints.kernel
         if kernel is None or not kernel(logits, rows, mask):
             mask_logits(logits, rows, mask)
+
+
+NO_MASKS = StepMasks(None, [])  # a step with no constrained row: apply does nothing
 
 
 def mask_logits(logits: torch.Tensor, rows: list[int], mask: torch.Tensor) -> None:

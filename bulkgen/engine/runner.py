@@ -98,7 +98,7 @@ class ModelRunner:
 
     @property
     def max_num_tokens(self) -> int:
-        return self.num_blocks * self.block_size
+        return self.kv.max_num_tokens
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, list[Sequence]]:
