@@ -29,6 +29,7 @@ class ModelShape:
     head_dim: int
     vocab: int
     layer_types: tuple[str, ...]  # "full_attention" or "sliding_attention", one a layer
+    window: int = 0  # the sliding layers' window (0: none slides)
 
     @classmethod
     def of(cls, config: Any) -> ModelShape:
@@ -44,7 +45,12 @@ class ModelShape:
                    intermediate=getattr(config, "intermediate_size", None) or 4 * hidden,
                    num_heads=num_heads, num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
                    head_dim=getattr(config, "head_dim", None) or hidden // num_heads,
-                   vocab=config.vocab_size, layer_types=tuple(layer_types))
+                   vocab=config.vocab_size, layer_types=tuple(layer_types), window=window or 0)
+
+    @property
+    def windows(self) -> tuple[int, ...]:
+        """Per layer, the positions it attends to: its sliding window, or 0 for the whole context."""
+        return tuple(self.window if kind == "sliding_attention" else 0 for kind in self.layer_types)
 
     def kv_bytes_per_token(self, dtype: str) -> int:
         """Bytes of K and V that one token holds, over all layers."""
@@ -69,8 +75,8 @@ def context_length(config: Any, name: str) -> int:
 def sliding_window(config: Any) -> int | None:
     """The window over which some of the model's layers attend (None: every layer attends to the whole
     context), read as transformers reads it: from `layer_types` where the config has them, else from
-    `sliding_window` unless `use_sliding_window` is off. bulkgen's attention does not slide yet, so a
-    sequence longer than this would differ from the model: such requests are refused (submit and engine)."""
+    `sliding_window` unless `use_sliding_window` is off. Every attention path computes it per layer
+    (engine/attention.LayerAttention)."""
     config = text_config(config)
     window = getattr(config, "sliding_window", None)
     if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
@@ -79,14 +85,6 @@ def sliding_window(config: Any) -> int | None:
     if layer_types is not None:
         return window if "sliding_attention" in layer_types else None
     return window if getattr(config, "use_sliding_window", True) is not False else None
-
-
-def past_window(num_tokens: int, window: int | None) -> str | None:
-    """Why a sequence of num_tokens (prompt + max_new_tokens) cannot run exactly, or None."""
-    if window is None or num_tokens <= window:
-        return None
-    return (f"the model attends over a sliding window of {window} tokens, which bulkgen does not run yet (past "
-            f"it the outputs would differ from the model's); prompt and max_new_tokens must fit {window} tokens")
 
 
 def read_config(model_dir: Path) -> Any:
@@ -99,10 +97,9 @@ def read_config(model_dir: Path) -> Any:
         raise ModelError(f"cannot read the config of {model_dir}: {exc}") from exc
 
 
-def limits(model_dir: Path) -> tuple[int, int | None]:
-    """The model's context length and its sliding window (or None)."""
-    config = read_config(model_dir)
-    return context_length(config, str(model_dir)), sliding_window(config)
+def limits(model_dir: Path) -> int:
+    """The model's context length."""
+    return context_length(read_config(model_dir), str(model_dir))
 
 
 def chat_prompt(tokenizer: Any, messages: list[dict[str, Any]]) -> str:

@@ -18,7 +18,7 @@ from bulkgen.config import request_seed
 from bulkgen.errors import ConfigError
 from bulkgen.io import openai_batch
 from bulkgen.jobspec import JobSpec, load_schema
-from bulkgen.model import chat_prompt, limits, load_tokenizer, past_window
+from bulkgen.model import chat_prompt, limits, load_tokenizer
 from bulkgen.schema import Schemas
 from bulkgen.store.jobs import request_row
 from bulkgen.store.models import utcnow
@@ -32,7 +32,7 @@ class PromptRenderer:
     def __init__(self, spec: JobSpec, model_dir: Path) -> None:
         self.spec = spec
         self.tokenizer = load_tokenizer(model_dir)
-        self.context_length, self.sliding_window = limits(model_dir)
+        self.context_length = limits(model_dir)
         sampling = spec.sampling
         if spec.uses_chat_template and not getattr(self.tokenizer, "chat_template", None):
             raise ConfigError(f"model {spec.model} has no chat template: use raw prompts (--prompt-column "
@@ -40,9 +40,6 @@ class PromptRenderer:
         if sampling.max_new_tokens >= self.context_length:
             raise ConfigError(f"max-new-tokens {sampling.max_new_tokens} leaves no room for a prompt in the "
                               f"model's context of {self.context_length} tokens: lower it")
-        if self.sliding_window is not None and sampling.max_new_tokens >= self.sliding_window:
-            raise ConfigError(f"max-new-tokens {sampling.max_new_tokens} leaves no room for a prompt: "
-                              f"{past_window(sampling.max_new_tokens + 1, self.sliding_window)}")
         vocab = len(self.tokenizer)
         bad = [t for t in sampling.stop_token_ids if t >= vocab]
         if bad:
@@ -204,8 +201,5 @@ class PromptRenderer:
         if len(ids) + max_new_tokens > self.context_length:
             return (f"prompt has {len(ids)} tokens: with max_new_tokens {max_new_tokens} it exceeds the model's "
                     f"context of {self.context_length} tokens; shorten the prompt or lower max_new_tokens")
-        too_long = past_window(len(ids) + max_new_tokens, self.sliding_window)
-        if too_long:
-            return f"prompt has {len(ids)} tokens with max_new_tokens {max_new_tokens}: {too_long}"
         return None
 

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from bulkgen.engine.attention import (
+    FULL,
     AttentionMetadata,
+    LayerAttention,
     PrefillChunk,
     attend,
     decode_torch,
@@ -33,7 +35,7 @@ def test_kernel_matches_torch(build: str, dtype: torch.dtype, head_dim: int, blo
     lens = torch.tensor([1, 7, block_size, 2 * block_size + 1, 6 * block_size], dtype=torch.int32)
     q = torch.randn(seqs, kv_heads * group, head_dim).to(dtype)
     meta = decode_meta(k, v, tables, lens, int(lens.max()), decode_kernel=kernel(build), num_threads=2)
-    got = decode_c(meta, q, k, v, head_dim**-0.5).float()
+    got = decode_c(meta, q, k, v, head_dim**-0.5, FULL).float()
     want = decode_torch(q.float(), k.float(), v.float(), tables, lens, head_dim**-0.5)
     assert torch.allclose(got, want, atol=2e-2 if dtype == torch.bfloat16 else 1e-5)
 
@@ -65,7 +67,7 @@ def test_portable_bfloat16_path_matches_torch() -> None:
         lens = torch.tensor([1, 33, 100, 160], dtype=torch.int32)
         q = torch.randn(seqs, kv_heads * 3, head_dim).bfloat16()
         meta = decode_meta(k, v, tables, lens, 160, decode_kernel=kernel("no-avx512bf16"), num_threads=2)
-        got = decode_c(meta, q, k, v, head_dim**-0.5).float()
+        got = decode_c(meta, q, k, v, head_dim**-0.5, FULL).float()
         want = decode_torch(q.float(), k.float(), v.float(), tables, lens, head_dim**-0.5)
         assert torch.allclose(got, want, atol=2e-2)
 
@@ -133,3 +135,96 @@ def test_prefill_through_kernel_matches_torch(build: str, dtype: torch.dtype, he
         outs.append(attend(meta, 0, query, keys[start:], values[start:], head_dim**-0.5).float())
     tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
     assert torch.allclose(outs[0], outs[1], atol=tolerance), (outs[0] - outs[1]).abs().max()
+
+
+def explicit_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+                       scale: float, layer: LayerAttention) -> torch.Tensor:
+    """The definition, in float64: query row i ([rows, heads, d]) at positions[i] sees keys k with
+    positions[i] - window < k <= positions[i] (window 0: all up to it), scores softcapped, a sink logit
+    per head in the softmax."""
+    group = query.shape[1] // keys.shape[1]
+    k = keys.double().repeat_interleave(group, dim=1)  # [ctx, heads, d]
+    v = values.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("ihd,thd->iht", query.double(), k) * scale
+    if layer.softcap:
+        scores = layer.softcap * torch.tanh(scores / layer.softcap)
+    t = torch.arange(keys.shape[0])[None, None, :]
+    seen = t <= positions[:, None, None]
+    if layer.window:
+        seen &= t > positions[:, None, None] - layer.window
+    scores = scores.masked_fill(~seen, float("-inf"))
+    if layer.sinks is not None:
+        sinks = layer.sinks.double()[None, :, None].expand(scores.shape[0], -1, 1)
+        scores = torch.cat([scores, sinks], dim=-1)
+    probs = torch.softmax(scores, dim=-1)[..., :keys.shape[0]]
+    return torch.einsum("iht,thd->ihd", probs, v)
+
+
+LAYERS = {
+    "window-5": dict(window=5), "window-16": dict(window=16), "window-24-softcap": dict(window=24, softcap=3.0),
+    "sinks": dict(sinks=True), "window-20-sinks-softcap": dict(window=20, sinks=True, softcap=2.0),
+}
+
+
+def _layer(name: str, num_heads: int) -> LayerAttention:
+    fields = dict(LAYERS[name])
+    if fields.pop("sinks", False):
+        fields["sinks"] = torch.linspace(-2.0, 3.0, num_heads)  # some heads' sinks take most of the weight
+    return LayerAttention(**fields)
+
+
+@builds
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim,block_size", [(64, 16), (128, 32), (96, 16)])
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_windows_softcaps_and_sinks_match_their_definition(build: str, dtype: torch.dtype, head_dim: int,
+                                                           block_size: int, name: str) -> None:
+    """Decode rows and prefill chunks, in C and in torch, against the definition written out: contexts
+    shorter than, at and past the window, windows inside one block and across several, chunks whose
+    tiles straddle the window's edge, after cached tokens."""
+    torch.manual_seed(head_dim + block_size + len(name))
+    kv_heads, group, num_blocks = 2, 3, 40
+    layer = _layer(name, kv_heads * group)
+    tolerance = 3e-2 if dtype == torch.bfloat16 else 1e-5
+    # decode: one sequence per context length, each its own blocks
+    lens = [1, 4, 5, 6, 16, 17, 24, 25, 60]
+    tables = torch.randperm(num_blocks)[:len(lens) * 4].view(len(lens), 4).int()
+    k = torch.randn(num_blocks, *k_block_shape(kv_heads, head_dim, block_size, dtype)).to(dtype)
+    v = torch.randn(num_blocks, kv_heads, block_size, head_dim).to(dtype)
+    q = torch.randn(len(lens), kv_heads * group, head_dim).to(dtype)
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    meta = decode_meta(k, v, tables, lens_t, max(lens), decode_kernel=kernel(build), num_threads=2)
+    scale = head_dim**-0.5
+    got_c = decode_c(meta, q, k, v, scale, layer).float()
+    got_torch = decode_torch(q, k, v, tables, lens_t, scale, layer).float()
+    for i, n in enumerate(lens):
+        positions = torch.arange(n)
+        blocks, rows = tables[i].long()[positions // block_size], positions % block_size
+        keys, values = gather_k(k, blocks, rows), v[blocks, :, rows]
+        want = explicit_attention(q[i:i + 1], keys, values, torch.tensor([n - 1]), scale, layer).float()
+        assert torch.allclose(got_c[i:i + 1], want, atol=tolerance), (n, (got_c[i] - want).abs().max())
+        assert torch.allclose(got_torch[i:i + 1], want, atol=tolerance), (n, (got_torch[i] - want).abs().max())
+    # prefill: chunks fresh and after cached tokens, through the C kernel and through torch
+    for start, num_tokens in ((0, 45), (13, 22), (40, 3), (0, 7)):
+        total = start + num_tokens
+        table = torch.randperm(num_blocks)[:-(-total // block_size)].int()
+        positions = torch.arange(total)
+        slots_all = table[positions // block_size].long() * block_size + positions % block_size
+        keys = torch.randn(total, kv_heads, head_dim).to(dtype)
+        values = torch.randn(total, kv_heads, head_dim).to(dtype)
+        query = torch.randn(num_tokens, kv_heads * group, head_dim).to(dtype)
+        want = explicit_attention(query, keys, values, positions[start:], scale, layer).float()
+        for library in (kernel(build), None):
+            k = torch.zeros(num_blocks, *k_block_shape(kv_heads, head_dim, block_size, dtype), dtype=dtype)
+            v = torch.zeros(num_blocks, kv_heads, block_size, head_dim, dtype=dtype)
+            if start:
+                write_kv(write_meta(k, v, slots_all[:start], block_size), keys[:start], values[:start], k, v)
+            chunk = PrefillChunk(offset=0, num_tokens=num_tokens, start=start)
+            if start:
+                chunk.context_blocks, chunk.context_offsets = slots_all // block_size, slots_all % block_size
+            if library is not None:
+                chunk.block_table = table
+            meta = write_meta(k, v, slots_all[start:], block_size, prefills=[chunk], prefill_kernel=library,
+                              write_kernel=library, num_threads=2)
+            got = attend(meta, 0, query, keys[start:], values[start:], scale, layer).float()
+            assert torch.allclose(got, want, atol=tolerance), (start, num_tokens, library, (got - want).abs().max())

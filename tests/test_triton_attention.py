@@ -141,3 +141,56 @@ def test_small_ops_match_hugging_faces_torch_code(dtype: torch.dtype) -> None:
     torch.testing.assert_close(qkv, want, **tol)
     gate_up = (torch.randn(6, 2 * 1500) * 4).to(dtype)
     torch.testing.assert_close(ops.silu_mul(gate_up), ref.silu_mul(gate_up), **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["window-5", "window-24-softcap", "sinks", "window-20-sinks-softcap"])
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("group,head_dim", [(3, 64), (2, 16)])
+def test_windows_softcaps_and_sinks_match_their_definition(dtype: torch.dtype, name: str, splits: int, group: int,
+                                                           head_dim: int) -> None:
+    """Decode (one split and several, some splits wholly before the window) and prefill chunks (tiles that
+    straddle the window's edge, after cached tokens) against the definition written out."""
+    from tests.test_attention_kernel import _layer, explicit_attention
+
+    torch.manual_seed(len(name) + splits)
+    kv_heads, block_size, num_blocks = 2, 16, 48
+    layer = _layer(name, kv_heads * group)
+    if layer.sinks is not None:
+        layer = type(layer)(window=layer.window, softcap=layer.softcap, sinks=layer.sinks.to(DEVICE))
+    k, v = _cache(num_blocks, kv_heads, block_size, head_dim, dtype)
+    scale = head_dim ** -0.5
+    lens = [1, 5, 6, 17, 24, 25, 60, 96]
+    tables = torch.randperm(num_blocks)[:len(lens) * 6].view(len(lens), 6).int()
+    q = torch.randn(len(lens), kv_heads * group, head_dim).to(dtype)
+    got = triton_attention.decode(q, k, v, tables, torch.tensor(lens, dtype=torch.int32), scale, splits, layer)
+    for i, n in enumerate(lens):
+        idx = torch.arange(n)
+        blocks, rows = tables[i].long()[idx // block_size], idx % block_size
+        want = explicit_attention(q[i:i + 1].cpu(), k[blocks, :, rows].cpu(), v[blocks, :, rows].cpu(),
+                                  torch.tensor([n - 1]), scale, _cpu(layer))
+        assert torch.allclose(got[i:i + 1].double().cpu(), want, atol=TOLERANCE[dtype]), (n, name)
+    chunks = [(0, 45), (13, 22), (40, 3)]
+    max_blocks = max(-(-(s + n) // block_size) for s, n in chunks)
+    tables = torch.randperm(num_blocks)[:len(chunks) * max_blocks].view(len(chunks), max_blocks).int()
+    offsets = [0, 45, 67]
+    q = torch.randn(70, kv_heads * group, head_dim).to(dtype)
+    out = torch.zeros_like(q)
+    block_m = triton_attention.prefill_block_m(group)
+    tile_chunks, tile_rows = triton_attention.prefill_tiles([n for _, n in chunks], block_m)
+    as_int = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
+    triton_attention.prefill(q, k, v, out, as_int(tile_chunks), as_int(tile_rows), as_int(offsets),
+                             as_int([n for _, n in chunks]), as_int([s for s, _ in chunks]), tables, scale, layer)
+    for c, (start, n) in enumerate(chunks):
+        idx = torch.arange(start + n)
+        blocks, rows = tables[c].long()[idx // block_size], idx % block_size
+        rows_q = q[offsets[c]:offsets[c] + n].cpu()
+        want = explicit_attention(rows_q, k[blocks, :, rows].cpu(), v[blocks, :, rows].cpu(), idx[start:].cpu(), scale,
+                                  _cpu(layer))
+        got = out[offsets[c]:offsets[c] + n].double().cpu()
+        assert torch.allclose(got, want, atol=TOLERANCE[dtype]), (start, n, name, (got - want).abs().max())
+
+
+def _cpu(layer):
+    return layer if layer.sinks is None else type(layer)(window=layer.window, softcap=layer.softcap,
+                                                         sinks=layer.sinks.cpu())

@@ -10,6 +10,9 @@ writes the new K/V into the paged cache and attends:
   decodes over the chunk's blocks, causal by context length; elsewhere with SDPA, causal over
   the chunk itself or, when earlier tokens are already cached (chunked prefill, prefix cache,
   recompute), over K/V gathered from blocks.
+Each layer attends as the model says (LayerAttention): over the whole context or a sliding window of its
+last tokens, with its scores softcapped or a sink logit per head where the model has them; every path
+(C, torch, Triton) computes all of it, so that a model runs as its own masks define it.
 """
 
 from __future__ import annotations
@@ -41,6 +44,65 @@ def k_block_shape(num_kv_heads: int, head_dim: int, block_size: int, dtype: torc
     return (num_kv_heads, head_dim // pair, block_size, pair)
 
 
+@dataclass(frozen=True)
+class LayerAttention:
+    """What one layer's attention computes besides softmax(q·k * scale)·v over the causal context.
+    window > 0: key k is seen from query q only where q - window < k <= q (Hugging Face's sliding-window
+    masks); softcap > 0: each score becomes softcap * tanh(score / softcap) (Gemma 2); sinks [num_heads]:
+    a logit per head that joins the softmax with no value (gpt-oss)."""
+
+    window: int = 0
+    softcap: float = 0.0
+    sinks: torch.Tensor | None = None
+
+    @property
+    def plain(self) -> bool:
+        """Whether torch's fused SDPA computes it (no softcap, no sinks)."""
+        return self.softcap == 0.0 and self.sinks is None
+
+    def c_sinks(self) -> int | None:
+        """The sinks for the C kernels: a float32 [num_heads] pointer (None: no sinks)."""
+        return None if self.sinks is None else self.sinks.data_ptr()
+
+
+FULL = LayerAttention()
+
+
+def causal_mask(start: int, num_tokens: int, window: int, device: torch.device) -> torch.Tensor:
+    """[num_tokens, start + num_tokens] bool: what query rows at positions start.. see of the sequence."""
+    q = torch.arange(start, start + num_tokens, device=device)[:, None]
+    k = torch.arange(start + num_tokens, device=device)[None, :]
+    mask = k <= q
+    return mask & (k > q - window) if window else mask
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+         layer: LayerAttention, is_causal: bool = False) -> torch.Tensor:
+    """Attention in torch: q [B, heads, n, d], k and v [B, kv_heads, ctx, d], mask (bool, True: seen)
+    broadcast to [B, heads, n, ctx] or None (is_causal: the causal mask). Torch's fused kernel where it
+    computes the layer; else the same math written out (softcapping, sinks) as Hugging Face's eager
+    attention computes it, the softmax in float32."""
+    if layer.plain:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
+                                              enable_gqa=True)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if layer.softcap:
+        scores = torch.tanh(scores / layer.softcap) * layer.softcap
+    if is_causal:
+        mask = causal_mask(k.shape[2] - q.shape[2], q.shape[2], 0, q.device)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    if layer.sinks is not None:
+        sinks = layer.sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+        scores = torch.cat([scores, sinks], dim=-1)
+    probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+    if layer.sinks is not None:
+        probs = probs[..., :-1]
+    return torch.matmul(probs, v)
+
+
 def gather_k(k_cache: torch.Tensor, blocks: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """Keys at (block, row) pairs of a layer's K cache (either layout) -> [n, num_kv_heads, head_dim]."""
     if k_cache.dim() == 4:  # [blocks, kv_heads, block_size, head_dim]
@@ -58,6 +120,12 @@ class PrefillChunk:
     context_offsets: torch.Tensor | None = None  # [start + num_tokens] row within the block
     mask: torch.Tensor | None = None  # [num_tokens, start + num_tokens] bool, when start > num_tokens
     block_table: torch.Tensor | None = None  # [num_blocks] int32: the sequence's blocks (for the C kernel)
+    windowed: dict[int, torch.Tensor] = field(default_factory=dict)  # causal_mask by window, built once a step
+
+    def mask_for(self, window: int, device: torch.device) -> torch.Tensor:
+        if window not in self.windowed:
+            self.windowed[window] = causal_mask(self.start, self.num_tokens, window, device)
+        return self.windowed[window]
 
 
 @dataclass(kw_only=True)
@@ -75,6 +143,7 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor  # [num_decodes] int32, tokens to attend to (the new one included)
     decode_max_context_len: int
     prefills: list[PrefillChunk] = field(default_factory=list)
+    windows: tuple[int, ...] = ()  # per layer: its sliding window (0, or none given: the whole context)
     # The C kernels for decode attention, prefill attention and the KV write (None: torch); each family's
     # path is chosen per machine (cpu/paths.py)
     decode_kernel: Kernels | None = None
@@ -105,26 +174,35 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                             dropout: float = 0.0, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention-function interface: query [1, num_heads, num_tokens, head_dim], key and
     value [1, num_kv_heads, num_tokens, head_dim]; returns [1, num_tokens, num_heads, head_dim]."""
-    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:  # refused at load (above)
-        raise ModelError(f"{type(module).__name__} asks for attention softcapping or sinks, which bulkgen's "
-                         "attention does not compute")
     meta = getattr(_STEP, "meta", None)
     if meta is None:
         raise ModelError(f"{type(module).__name__} was called outside a bulkgen step")
+    layer = module.layer_idx
+    window = meta.windows[layer] if meta.windows else 0
+    asked = kwargs.get("sliding_window")
+    if (asked or 0) != window:  # the config read (model.ModelShape) and the module disagree: never guess
+        raise ModelError(f"{type(module).__name__} (layer {layer}) attends over a sliding window of {asked}, where "
+                         f"its config reads {window or 'none'}: bulkgen cannot tell which the model means")
+    sinks = kwargs.get("s_aux")
+    spec = LayerAttention(window=window, softcap=float(kwargs.get("softcap") or 0.0),
+                          sinks=None if sinks is None else sinks.detach().float().contiguous())
     scale = scaling if scaling is not None else query.shape[-1]**-0.5
-    out = attend(meta, module.layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1),
-                 value[0].transpose(0, 1), scale)
+    out = attend(meta, layer, query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), scale,
+                 spec)
     return out.unsqueeze(0), None
 
 
 def attend(meta: AttentionMetadata, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-           scale: float) -> torch.Tensor:
+           scale: float, spec: LayerAttention | None = None) -> torch.Tensor:
     """One layer's attention for a step: query [num_tokens, num_heads, head_dim], key and value
     [num_tokens, num_kv_heads, head_dim] (the step's new tokens, decodes first). Writes key and value
-    into the paged cache, returns [num_tokens, num_heads, head_dim]."""
+    into the paged cache, returns [num_tokens, num_heads, head_dim]. spec: the layer's attention (None:
+    its window from meta.windows, nothing else)."""
+    if spec is None:
+        spec = LayerAttention(window=meta.windows[layer]) if meta.windows and meta.windows[layer] else FULL
     k_cache, v_cache = meta.k_caches[layer], meta.v_caches[layer]
     if meta.triton is not None:
-        return _attend_triton(meta.triton, query, key, value, k_cache, v_cache, scale)
+        return _attend_triton(meta.triton, query, key, value, k_cache, v_cache, scale, spec)
     num_tokens, num_heads, head_dim = query.shape
     write_kv(meta, key, value, k_cache, v_cache)
 
@@ -133,27 +211,33 @@ def attend(meta: AttentionMetadata, layer: int, query: torch.Tensor, key: torch.
     if num_decodes:
         q = query[:num_decodes]  # [num_decodes, num_heads, head_dim]
         if meta.decode_kernel is not None and kernel_layout(k_cache):
-            out[:num_decodes] = decode_c(meta, q, k_cache, v_cache, scale)
+            out[:num_decodes] = decode_c(meta, q, k_cache, v_cache, scale, spec)
         else:
             out[:num_decodes] = decode_torch(q, k_cache, v_cache, meta.decode_block_tables,
-                                             meta.decode_context_lens, scale)
+                                             meta.decode_context_lens, scale, spec)
     for chunk in meta.prefills:
         span = slice(chunk.offset, chunk.offset + chunk.num_tokens)
         if meta.prefill_kernel is not None and chunk.block_table is not None and kernel_layout(k_cache):
             # The query rows as decodes over the sequence's blocks (its K/V were just written), causal by
             # context length, in tiles of 4 rows (1.4-1.8x torch's flash kernel in float32 on AVX-512 CPUs;
             # whether it runs on this one is measured, cpu/paths.py).
-            out[span] = prefill_c(meta, query[span], k_cache, v_cache, chunk, scale)
+            out[span] = prefill_c(meta, query[span], k_cache, v_cache, chunk, scale, spec)
             continue
         q = query[span].transpose(0, 1).unsqueeze(0)  # [1, num_heads, n, head_dim]: 4-D takes torch's fused kernel
+        # the window matters only where a row sees more than it
+        window = spec.window if spec.window and chunk.start + chunk.num_tokens > spec.window else 0
         if chunk.context_blocks is None:
             k = key[span].transpose(0, 1).unsqueeze(0)
             v = value[span].transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         else:
             # [ctx, kv_heads, d] gathered from the blocks -> [1, kv_heads, ctx, d]
             k = gather_k(k_cache, chunk.context_blocks, chunk.context_offsets).transpose(0, 1).unsqueeze(0)
             v = v_cache[chunk.context_blocks, :, chunk.context_offsets].transpose(0, 1).unsqueeze(0)
+        if window or not spec.plain:
+            o = sdpa(q, k, v, chunk.mask_for(window, q.device), scale, spec)
+        elif chunk.context_blocks is None:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        else:
             if chunk.mask is None:
                 # A short cached start (a prefix-cache hit): pad the queries in front so that torch's causal
                 # kernel (top-left aligned) lines up with the chunk's positions; twice as fast as a mask.
@@ -188,23 +272,27 @@ def write_kv(meta: AttentionMetadata, key: torch.Tensor, value: torch.Tensor, k_
 
 
 def _attend_triton(step: TritonStep, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                   k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, spec: LayerAttention) -> torch.Tensor:
     """The step's KV write, decode and prefill attention in three launches (gpu/attention.py)."""
     from bulkgen.engine.gpu import attention as triton_attention  # here: triton is optional
 
     triton_attention.write_kv(key, value, step.slots, k_cache, v_cache)
-    out = torch.empty_like(query)
+    # the kernels index rows as [token, head, dim] in order: a transposed query (gpt-oss's RoPE makes one) is
+    # copied, and `out` is laid out so whatever the query's strides (empty_like would keep them)
+    query = query.contiguous()
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     num_decodes = step.decode_context_lens.shape[0]
     if num_decodes:
         out[:num_decodes] = triton_attention.decode(query[:num_decodes], k_cache, v_cache, step.decode_block_tables,
-                                                    step.decode_context_lens, scale, step.decode_splits)
-    triton_attention.prefill(query.contiguous(), k_cache, v_cache, out, step.tile_chunks, step.tile_rows,
-                             step.chunk_offsets, step.chunk_lens, step.chunk_starts, step.chunk_block_tables, scale)
+                                                    step.decode_context_lens, scale, step.decode_splits, spec)
+    triton_attention.prefill(query, k_cache, v_cache, out, step.tile_chunks, step.tile_rows,
+                             step.chunk_offsets, step.chunk_lens, step.chunk_starts, step.chunk_block_tables, scale,
+                             spec)
     return out
 
 
 def decode_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                 context_lens: torch.Tensor, scale: float, spec: LayerAttention = FULL) -> torch.Tensor:
     """Reference decode attention in plain torch: gathers each sequence's blocks, then one masked SDPA."""
     num_seqs, max_blocks = block_tables.shape
     _, num_kv_heads, block_size, head_dim = v_cache.shape
@@ -215,9 +303,12 @@ def decode_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         k = k_cache[index].permute(0, 2, 1, 4, 3, 5).reshape(num_seqs, num_kv_heads, max_blocks * block_size,
                                                               head_dim)
     v = v_cache[index].transpose(1, 2).reshape(num_seqs, num_kv_heads, max_blocks * block_size, head_dim)
-    positions = torch.arange(max_blocks * block_size, device=q.device)
-    mask = (positions[None, :] < context_lens[:, None].to(q.device))[:, None, None, :]  # [seqs, 1, 1, ctx]
-    o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    positions = torch.arange(max_blocks * block_size, device=q.device)[None, :]
+    lens = context_lens[:, None].to(q.device)
+    mask = positions < lens
+    if spec.window:
+        mask &= positions >= lens - spec.window
+    o = sdpa(q.unsqueeze(2), k, v, mask[:, None, None, :], scale, spec)  # mask [seqs, 1, 1, ctx]
     return o[:, :, 0]  # [num_seqs, num_heads, head_dim]
 
 

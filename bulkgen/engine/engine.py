@@ -20,7 +20,7 @@ from bulkgen.engine.runner import ModelRunner
 from bulkgen.engine.scheduler import AdmissionPolicy, Scheduler, SchedulerOutput
 from bulkgen.engine.sequence import Sequence, SequenceStatus
 from bulkgen.errors import ConfigError, PromptTooLongError
-from bulkgen.model import context_length, load_tokenizer, past_window, sliding_window
+from bulkgen.model import context_length, load_tokenizer
 
 
 class Engine:
@@ -37,7 +37,6 @@ class Engine:
         context = context_length(hf_config, str(hf_config._name_or_path or type(self.runner.model).__name__))
         self.max_model_len = min(self.config.max_model_len or context, context)
         self.runner.limit_context(self.max_model_len)
-        self.sliding_window = sliding_window(hf_config)  # longer requests are refused (model.past_window)
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
                                           self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens,
@@ -74,9 +73,6 @@ class Engine:
             raise PromptTooLongError(f"the prompt has {num_prompt} tokens; the model's context is "
                                      f"{self.max_model_len} tokens, which must also hold the output")
         needed = min(num_prompt + params.max_new_tokens, self.max_model_len)
-        too_long = past_window(needed, self.sliding_window)
-        if too_long:
-            raise PromptTooLongError(f"the request needs up to {needed} tokens: {too_long}")
         if self.block_manager.blocks_for(needed) > self.block_manager.num_blocks:
             raise PromptTooLongError(f"the request needs up to {needed} tokens of KV cache; the cache holds "
                                      f"{self.runner.max_num_tokens}: raise --kv-cache-memory")

@@ -24,8 +24,4 @@ def unsupported_features(model: torch.nn.Module) -> str | None:
     if other or stateful:
         what = f"layers of type {', '.join(other)}" if other else f"{stateful[0]} layers"
         return f"{what} (a state carried from token to token, which bulkgen's paged KV cache does not hold)"
-    if getattr(config, "attn_logit_softcapping", None) is not None:
-        return "attention logit softcapping (attn_logit_softcapping)"
-    if any(isinstance(getattr(m, "sinks", None), torch.nn.Parameter) for m in model.modules()):
-        return "attention sinks (a learned logit per head in the softmax)"
     return None

@@ -28,7 +28,7 @@ from bulkgen.engine.layers import pack_linears
 from bulkgen.engine.scheduler import ScheduledSeq
 from bulkgen.engine.sequence import Sequence
 from bulkgen.errors import ConfigError, ModelError
-from bulkgen.model import ModelShape, sliding_window
+from bulkgen.model import ModelShape
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,7 @@ class ModelRunner:
             keep_freed_memory()
         self.model = _load(model, self.dtype, self.device)
         self.shape = ModelShape.of(self.model.config)
+        self.windows = self.shape.windows if self.shape.window else ()  # each layer's sliding window, if any
         # Triton kernels for attention, the KV write and the small ops: on a GPU, or (tests) in Triton's CPU
         # interpreter when asked for
         self.use_triton = _use_triton(self.device, config.attention_backend)
@@ -82,7 +83,7 @@ class ModelRunner:
             self.decode_graphs = DecodeGraphs(
                 self.forward, self._k_caches, self._v_caches, scratch_block=self.num_blocks, block_size=self.block_size,
                 max_blocks_per_seq=-(-max_model_len // self.block_size), max_num_seqs=self.config.max_num_seqs,
-                num_kv_heads=self.shape.num_kv_heads, device=self.device)
+                num_kv_heads=self.shape.num_kv_heads, device=self.device, windows=self.windows)
 
     def _use_graphs(self) -> bool:
         if not self.config.cuda_graphs:
@@ -177,7 +178,8 @@ class ModelRunner:
         meta = attention.AttentionMetadata(
             k_caches=self._k_caches, v_caches=self._v_caches, slots=step.slots, slot_blocks=step.slots,
             slot_offsets=step.slots, num_decode_tokens=len(decodes), decode_block_tables=step.decode_block_tables,
-            decode_context_lens=step.decode_context_lens, decode_max_context_len=0, triton=step)
+            decode_context_lens=step.decode_context_lens, decode_max_context_len=0, triton=step,
+            windows=self.windows)
         return meta, ids, pos, keep
 
     def _metadata(self, decodes: list[ScheduledSeq], slots: list[int],
@@ -196,7 +198,7 @@ class ModelRunner:
             decode_block_tables=torch.from_numpy(tables).to(self.device),
             decode_context_lens=torch.tensor(context_lens, dtype=torch.int32, device=self.device),
             decode_max_context_len=max(context_lens, default=0),
-            prefills=chunks, decode_kernel=self.paths.c("decode_attention"),
+            prefills=chunks, windows=self.windows, decode_kernel=self.paths.c("decode_attention"),
             prefill_kernel=self.paths.c("prefill_attention"), write_kernel=self.paths.c("small_ops"),
             num_threads=torch.get_num_threads(),
         )
@@ -275,9 +277,4 @@ def _load(model: str | Path | torch.nn.Module, dtype: torch.dtype, device: torch
     if missing is not None:
         raise ModelError(f"{type(loaded).__name__} uses {missing}, which bulkgen does not compute "
                          "yet: it cannot run this model exactly")
-    window = sliding_window(loaded.config)
-    if window is not None:
-        log.warning("bulkgen: %s attends over a sliding window of %s tokens in some layers, which bulkgen does "
-                    "not run yet: requests longer than the window are refused (each fails with that reason)",
-                    type(loaded).__name__, window)
     return loaded.to(device=device, dtype=dtype).eval()

@@ -12,7 +12,7 @@ import torch
 from bulkgen.engine.cpu.kernels import Kernels
 
 if TYPE_CHECKING:  # the metadata's types only: attention.py imports this module
-    from bulkgen.engine.attention import AttentionMetadata, PrefillChunk
+    from bulkgen.engine.attention import AttentionMetadata, LayerAttention, PrefillChunk
 
 
 def kernel_layout(k_cache: torch.Tensor) -> bool:
@@ -21,15 +21,15 @@ def kernel_layout(k_cache: torch.Tensor) -> bool:
 
 
 def decode_c(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             scale: float) -> torch.Tensor:
+             scale: float, layer: LayerAttention) -> torch.Tensor:
     """Decode attention of the step's decoding sequences (q [num_decodes, num_heads, head_dim]) in C."""
     tables = meta.decode_block_tables
     return _paged_c(meta.decode_kernel, meta, q, k_cache, v_cache, tables, tables.stride(0),
-                    meta.decode_context_lens, meta.decode_max_context_len, scale)
+                    meta.decode_context_lens, meta.decode_max_context_len, scale, layer)
 
 
 def prefill_c(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    chunk: PrefillChunk, scale: float) -> torch.Tensor:
+              chunk: PrefillChunk, scale: float, layer: LayerAttention) -> torch.Tensor:
     """A prefill chunk's attention in C: rows in tiles sharing each K/V block load where the vectorised
     kernel applies, else row by row (each row a decode with its own context length)."""
     q32 = q.to(torch.float32).contiguous()
@@ -41,21 +41,23 @@ def prefill_c(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor, v
     status = function(q=q32.data_ptr(), k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr(),
                       table=chunk.block_table.data_ptr(), start=chunk.start, n=num_rows, out=out.data_ptr(),
                       num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
-                      scale=scale, num_threads=meta.num_threads)
+                      scale=scale, window=layer.window, softcap=layer.softcap, sinks=layer.c_sinks(),
+                      num_threads=meta.num_threads)
     if status == 1:
         raise MemoryError("paged attention kernel could not allocate its scratch buffer")
     if status == 2:
         lens = torch.arange(chunk.start + 1, chunk.start + num_rows + 1, dtype=torch.int32)
         return _paged_c(kernel, meta, q, k_cache, v_cache, chunk.block_table, 0, lens, chunk.start + num_rows,
-                        scale)
+                        scale, layer)
     return out.to(q.dtype)
 
 
 def _paged_c(kernel: Kernels, meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor,
              v_cache: torch.Tensor, tables: torch.Tensor, table_stride: int, context_lens: torch.Tensor,
-             max_context_len: int, scale: float) -> torch.Tensor:
+             max_context_len: int, scale: float, layer: LayerAttention) -> torch.Tensor:
     """The C kernel: query row i ([rows, num_heads, head_dim]) attends to the first context_lens[i]
-    tokens of the blocks in row i of `tables` (table_stride 0: one table for every row)."""
+    tokens of the blocks in row i of `tables` (table_stride 0: one table for every row), or the last
+    layer.window of them."""
     q32 = q.to(torch.float32).contiguous()
     out = torch.empty_like(q32)
     num_rows, num_heads, head_dim = q32.shape
@@ -65,7 +67,8 @@ def _paged_c(kernel: Kernels, meta: AttentionMetadata, q: torch.Tensor, k_cache:
                       block_tables=tables.data_ptr(), block_table_stride=table_stride,
                       context_lens=context_lens.data_ptr(), out=out.data_ptr(), num_seqs=num_rows,
                       num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
-                      max_context_len=max_context_len, scale=scale, num_threads=meta.num_threads)
+                      max_context_len=max_context_len, scale=scale, window=layer.window, softcap=layer.softcap,
+                      sinks=layer.c_sinks(), num_threads=meta.num_threads)
     if failed:
         raise MemoryError("paged attention kernel could not allocate its scratch buffer")
     return out.to(q.dtype)

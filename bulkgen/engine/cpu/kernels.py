@@ -47,9 +47,9 @@ def _params(text: str) -> list[tuple[str, type]]:
 
 
 _DECODE = "q:p k_cache:p v_cache:p block_tables:p block_table_stride:i64 context_lens:p out:p num_seqs:i num_heads:i " \
-          "num_kv_heads:i head_dim:i block_size:i max_context_len:i scale:f num_threads:i"
+          "num_kv_heads:i head_dim:i block_size:i max_context_len:i scale:f window:i softcap:f sinks:p num_threads:i"
 _PREFILL = "q:p k_cache:p v_cache:p table:p start:i n:i out:p num_heads:i num_kv_heads:i head_dim:i block_size:i " \
-           "scale:f num_threads:i"
+           "scale:f window:i softcap:f sinks:p num_threads:i"
 _WRITE_KV = "key:p value:p k_token_stride:i64 k_head_stride:i64 v_token_stride:i64 v_head_stride:i64 slots:p " \
             "num_tokens:i k_cache:p v_cache:p num_kv_heads:i head_dim:i block_size:i num_threads:i"
 _LINEAR = "x:p M:i64 K:i64 packed:p N:i64 bias:p y:p num_threads:i"

@@ -161,7 +161,7 @@ def _decode_race(kernel: Kernels, dtype: torch.dtype, shape: ModelShape, block_s
                                        decode_context_lens=lens, decode_max_context_len=context, decode_kernel=kernel,
                                        num_threads=torch.get_num_threads())
     scale = shape.head_dim ** -0.5
-    c_s, torch_s = _best_of(lambda: decode_c(meta, q, k_cache, v_cache, scale),
+    c_s, torch_s = _best_of(lambda: decode_c(meta, q, k_cache, v_cache, scale, attention.FULL),
                             lambda: attention.decode_torch(q, k_cache, v_cache, tables, lens, scale), reps=5)
     return c_s / DECODE_ROWS, torch_s / DECODE_ROWS
 
@@ -200,6 +200,6 @@ def _prefill_race(kernel: Kernels, dtype: torch.dtype, shape: ModelShape, block_
     def in_torch() -> torch.Tensor:  # attention.attend's path for a chunk with nothing cached before it
         return F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
                                               v.transpose(0, 1)[None], is_causal=True, scale=scale, enable_gqa=True)
-    c_s, torch_s = _best_of(lambda: prefill_c(meta, q, k_cache, v_cache, chunk, scale), in_torch,
+    c_s, torch_s = _best_of(lambda: prefill_c(meta, q, k_cache, v_cache, chunk, scale, attention.FULL), in_torch,
                             reps=3)
     return c_s / rows, torch_s / rows

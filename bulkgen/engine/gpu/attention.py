@@ -15,6 +15,10 @@ the sequence's blocks through its block table up to the tile's last position, ca
 chunk's own K/V (written just before) and whatever was cached before it (chunked prefill, prefix hits,
 recompute) are read alike.
 
+Each layer's own attention (attention.LayerAttention): a sliding window skips the blocks before it and masks
+the positions it leaves out; softcapping bounds the scores (softcap * tanh(score / softcap)); sinks join
+each head's softmax as a logit with no value, once, where its max and sum are final.
+
 Triton's interpreter (TRITON_INTERPRET=1) runs these on CPU tensors for tests, with one difference: it
 computes bfloat16 dot products wrongly (triton 3.9), so there the operands go to float32 first (the same
 products, exact in float32; only the summation order may differ).
@@ -28,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from bulkgen.engine.attention import FULL, LayerAttention
+
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # as triton reads it
 MIN_DOT = 16  # tensor-core dots need 16 rows
 
@@ -37,6 +43,13 @@ def _dot(a, b, F32: tl.constexpr):
     if F32:
         return tl.dot(a.to(tl.float32), b.to(tl.float32))
     return tl.dot(a, b)
+
+
+@triton.jit
+def _softcap(s, softcap, HAS_SOFTCAP: tl.constexpr):
+    if HAS_SOFTCAP:
+        return softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)  # softcap * tanh(s / softcap)
+    return s
 
 
 @triton.jit
@@ -70,9 +83,10 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor, k_cach
 
 @triton.jit
 def _decode_kernel(q, k_cache, v_cache, block_tables, table_stride, context_lens, out, part_acc, part_ml, scale,
-                   blocks_per_split, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
-                   G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   NUM_SPLITS: tl.constexpr, DOT_F32: tl.constexpr):
+                   blocks_per_split, window, softcap, sinks, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                   GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                   BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_F32: tl.constexpr,
+                   HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr):
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D_PAD)
@@ -83,8 +97,10 @@ def _decode_kernel(q, k_cache, v_cache, block_tables, table_stride, context_lens
     qt = tl.load(q + (seq * NUM_HEADS + heads[:, None]) * HEAD_DIM + d[None, :],
                  mask=head_ok[:, None] & d_ok[None, :], other=0.0)  # [G_PAD, D_PAD]
     context = tl.load(context_lens + seq)
+    lowest = tl.where(window > 0, tl.maximum(context - window, 0), 0)  # a sliding window's first position
     first = split * blocks_per_split
     last = tl.minimum(first + blocks_per_split, tl.cdiv(context, BLOCK_SIZE))
+    first = tl.maximum(first, lowest // BLOCK_SIZE)  # every block from here on has a position seen
     m = tl.full([G_PAD], float("-inf"), tl.float32)
     total = tl.zeros([G_PAD], tl.float32)  # the softmax's running sum
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
@@ -94,8 +110,9 @@ def _decode_kernel(q, k_cache, v_cache, block_tables, table_stride, context_lens
         kv_offsets = base + r[:, None] * HEAD_DIM + d[None, :]
         k = tl.load(k_cache + kv_offsets, mask=d_ok[None, :], other=0.0)  # [BLOCK_SIZE, D_PAD]
         v = tl.load(v_cache + kv_offsets, mask=d_ok[None, :], other=0.0)
-        s = _dot(qt, tl.trans(k), DOT_F32) * scale  # [G_PAD, BLOCK_SIZE]
-        s = tl.where((b * BLOCK_SIZE + r)[None, :] < context, s, float("-inf"))
+        s = _softcap(_dot(qt, tl.trans(k), DOT_F32) * scale, softcap, HAS_SOFTCAP)  # [G_PAD, BLOCK_SIZE]
+        position = b * BLOCK_SIZE + r
+        s = tl.where(((position < context) & (position >= lowest))[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
@@ -103,6 +120,11 @@ def _decode_kernel(q, k_cache, v_cache, block_tables, table_stride, context_lens
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_F32)
         m = m_new
     if NUM_SPLITS == 1:
+        if HAS_SINKS:
+            sink = tl.load(sinks + heads, mask=head_ok, other=0.0)
+            m_all = tl.maximum(m, sink)
+            acc = acc * tl.exp(m - m_all)[:, None]
+            total = total * tl.exp(m - m_all) + tl.exp(sink - m_all)
         o = acc / total[:, None]
         tl.store(out + (seq * NUM_HEADS + heads[:, None]) * HEAD_DIM + d[None, :], o.to(out.dtype.element_ty),
                  mask=head_ok[:, None] & d_ok[None, :])
@@ -114,9 +136,9 @@ def _decode_kernel(q, k_cache, v_cache, block_tables, table_stride, context_lens
 
 
 @triton.jit
-def _combine_kernel(out, part_acc, part_ml, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+def _combine_kernel(out, part_acc, part_ml, sinks, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                     GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                    NUM_SPLITS: tl.constexpr):
+                    NUM_SPLITS: tl.constexpr, HAS_SINKS: tl.constexpr):
     seq, kv_head = tl.program_id(0), tl.program_id(1)
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D_PAD)
@@ -124,14 +146,18 @@ def _combine_kernel(out, part_acc, part_ml, NUM_HEADS: tl.constexpr, NUM_KV_HEAD
     m_all = tl.full([G_PAD], float("-inf"), tl.float32)
     for i in range(NUM_SPLITS):
         m_all = tl.maximum(m_all, tl.load(part_ml + ((first + i) * 2) * G_PAD + g))
+    heads = kv_head * GROUP + g
     total = tl.zeros([G_PAD], tl.float32)
+    if HAS_SINKS:
+        sink = tl.load(sinks + heads, mask=g < GROUP, other=0.0)
+        m_all = tl.maximum(m_all, sink)
+        total += tl.exp(sink - m_all)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
     for i in range(NUM_SPLITS):
         m = tl.load(part_ml + ((first + i) * 2) * G_PAD + g)
         w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_all))  # a split with no block weighs nothing
         total += w * tl.load(part_ml + ((first + i) * 2 + 1) * G_PAD + g)
         acc += w[:, None] * tl.load(part_acc + ((first + i) * G_PAD + g[:, None]) * D_PAD + d[None, :])
-    heads = kv_head * GROUP + g
     tl.store(out + (seq * NUM_HEADS + heads[:, None]) * HEAD_DIM + d[None, :], (acc / total[:, None]).to(
         out.dtype.element_ty), mask=(g < GROUP)[:, None] & (d < HEAD_DIM)[None, :])
 
@@ -146,12 +172,14 @@ def decode_splits(num_seqs: int, num_kv_heads: int, max_blocks: int, num_program
 
 
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-           context_lens: torch.Tensor, scale: float, num_splits: int | None = None) -> torch.Tensor:
+           context_lens: torch.Tensor, scale: float, num_splits: int | None = None,
+           layer: LayerAttention = FULL) -> torch.Tensor:
     """Decode attention: q [num_seqs, num_heads, head_dim]; block_tables [num_seqs, max_blocks] and
     context_lens [num_seqs] (int32); returns [num_seqs, num_heads, head_dim] in q's dtype."""
     num_seqs, num_heads, head_dim = q.shape
     _, num_kv_heads, block_size, _ = k_cache.shape
-    out = torch.empty_like(q)
+    q = q.contiguous()
+    out = torch.empty_like(q)  # contiguous, as the kernel writes it
     if num_seqs == 0:
         return out
     group = num_heads // num_kv_heads
@@ -164,23 +192,26 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_
                            dtype=torch.float32, device=q.device)
     part_ml = torch.empty((num_seqs, num_kv_heads, splits, 2, g_pad) if splits > 1 else (1,), dtype=torch.float32,
                           device=q.device)
-    q = q.contiguous()
+    sinks = _sinks(layer, q)
     _decode_kernel[(num_seqs, num_kv_heads, splits)](
         q, k_cache, v_cache, block_tables, block_tables.stride(0), context_lens, out, part_acc, part_ml, scale,
-        blocks_per_split, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, G_PAD=g_pad,
-        HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size, NUM_SPLITS=splits, DOT_F32=INTERPRET)
+        blocks_per_split, layer.window, layer.softcap or 1.0, sinks, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
+        GROUP=group, G_PAD=g_pad, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size, NUM_SPLITS=splits,
+        DOT_F32=INTERPRET, HAS_SOFTCAP=layer.softcap > 0, HAS_SINKS=layer.sinks is not None)
     if splits > 1:
-        _combine_kernel[(num_seqs, num_kv_heads)](out, part_acc, part_ml, NUM_HEADS=num_heads,
+        _combine_kernel[(num_seqs, num_kv_heads)](out, part_acc, part_ml, sinks, NUM_HEADS=num_heads,
                                                   NUM_KV_HEADS=num_kv_heads, GROUP=group, G_PAD=g_pad,
-                                                  HEAD_DIM=head_dim, D_PAD=d_pad, NUM_SPLITS=splits)
+                                                  HEAD_DIM=head_dim, D_PAD=d_pad, NUM_SPLITS=splits,
+                                                  HAS_SINKS=layer.sinks is not None)
     return out
 
 
 @triton.jit
 def _prefill_kernel(q, k_cache, v_cache, out, tile_chunks, tile_rows, chunk_offsets, chunk_lens, chunk_starts,
-                    block_tables, table_stride, scale, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-                    GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, DOT_F32: tl.constexpr):
+                    block_tables, table_stride, scale, window, softcap, sinks, NUM_HEADS: tl.constexpr,
+                    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, DOT_F32: tl.constexpr,
+                    HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr):
     tile, kv_head = tl.program_id(0), tl.program_id(1)
     chunk = tl.load(tile_chunks + tile)
     row0 = tl.load(tile_rows + tile)  # first query row of the tile within its chunk
@@ -201,13 +232,16 @@ def _prefill_kernel(q, k_cache, v_cache, out, tile_chunks, tile_rows, chunk_offs
     total = tl.zeros([BLOCK_M * G_PAD], tl.float32)
     acc = tl.zeros([BLOCK_M * G_PAD, D_PAD], tl.float32)
     last_position = start + tl.minimum(row0 + BLOCK_M, length) - 1
-    for b in range(0, last_position // BLOCK_SIZE + 1):
+    # a sliding window: the tile's first row sees nothing before position start + row0 - window + 1
+    first_block = tl.where(window > 0, tl.maximum(start + row0 - window + 1, 0) // BLOCK_SIZE, 0)
+    for b in range(first_block, last_position // BLOCK_SIZE + 1):
         block = tl.load(block_tables + chunk * table_stride + b).to(tl.int64)
         kv_offsets = (block * NUM_KV_HEADS + kv_head) * BLOCK_SIZE * HEAD_DIM + r[:, None] * HEAD_DIM + d[None, :]
         k = tl.load(k_cache + kv_offsets, mask=d_ok[None, :], other=0.0)
         v = tl.load(v_cache + kv_offsets, mask=d_ok[None, :], other=0.0)
-        s = _dot(qt, tl.trans(k), DOT_F32) * scale  # [rows, BLOCK_SIZE]
-        visible = (b * BLOCK_SIZE + r)[None, :] <= position[:, None]
+        s = _softcap(_dot(qt, tl.trans(k), DOT_F32) * scale, softcap, HAS_SOFTCAP)  # [rows, BLOCK_SIZE]
+        key_position = (b * BLOCK_SIZE + r)[None, :]
+        visible = (key_position <= position[:, None]) & ((key_position > position[:, None] - window) | (window <= 0))
         s = tl.where(visible & row_ok[:, None], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet stay empty
@@ -216,6 +250,11 @@ def _prefill_kernel(q, k_cache, v_cache, out, tile_chunks, tile_rows, chunk_offs
         total = total * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_F32)
         m = m_new
+    if HAS_SINKS:
+        sink = tl.load(sinks + kv_head * GROUP + g, mask=g < GROUP, other=0.0)
+        m_all = tl.maximum(m, sink)
+        acc = acc * tl.exp(m - m_all)[:, None]
+        total = total * tl.exp(m - m_all) + tl.exp(sink - m_all)
     o = acc / tl.where(total == 0.0, 1.0, total)[:, None]
     tl.store(out + q_offsets, o.to(out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
@@ -237,7 +276,8 @@ def prefill_block_m(group: int) -> int:
 
 def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
             tile_chunks: torch.Tensor, tile_rows: torch.Tensor, chunk_offsets: torch.Tensor,
-            chunk_lens: torch.Tensor, chunk_starts: torch.Tensor, block_tables: torch.Tensor, scale: float) -> None:
+            chunk_lens: torch.Tensor, chunk_starts: torch.Tensor, block_tables: torch.Tensor, scale: float,
+            layer: LayerAttention = FULL) -> None:
     """Attention of every prefill chunk of a step, in one launch, into `out` (rows of q's shape).
     q, out: [num_tokens, num_heads, head_dim] (the step's flattened tokens); per chunk (int32): its offset in
     them, its length, the tokens cached before it, its block table row; tiles from prefill_tiles."""
@@ -251,6 +291,12 @@ def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: 
     block_m = prefill_block_m(group)
     _prefill_kernel[(num_tiles, num_kv_heads)](
         q, k_cache, v_cache, out, tile_chunks, tile_rows, chunk_offsets, chunk_lens, chunk_starts, block_tables,
-        block_tables.stride(0), scale, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, G_PAD=g_pad,
-        HEAD_DIM=head_dim, D_PAD=max(MIN_DOT, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size,
-        BLOCK_M=block_m, DOT_F32=INTERPRET)
+        block_tables.stride(0), scale, layer.window, layer.softcap or 1.0, _sinks(layer, q), NUM_HEADS=num_heads,
+        NUM_KV_HEADS=num_kv_heads, GROUP=group, G_PAD=g_pad, HEAD_DIM=head_dim,
+        D_PAD=max(MIN_DOT, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size, BLOCK_M=block_m,
+        DOT_F32=INTERPRET, HAS_SOFTCAP=layer.softcap > 0, HAS_SINKS=layer.sinks is not None)
+
+
+def _sinks(layer: LayerAttention, q: torch.Tensor) -> torch.Tensor:
+    """The layer's sinks as float32 on q's device ([num_heads]), or q itself as a pointer never read."""
+    return q if layer.sinks is None else layer.sinks.to(device=q.device, dtype=torch.float32)

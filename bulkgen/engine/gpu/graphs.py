@@ -44,8 +44,9 @@ class DecodeGraphs:
 
     def __init__(self, forward: Callable[..., torch.Tensor], k_caches: list[torch.Tensor],
                  v_caches: list[torch.Tensor], scratch_block: int, block_size: int, max_blocks_per_seq: int,
-                 max_num_seqs: int, num_kv_heads: int, device: torch.device) -> None:
+                 max_num_seqs: int, num_kv_heads: int, device: torch.device, windows: tuple[int, ...] = ()) -> None:
         self.forward = forward
+        self.windows = windows  # each layer's sliding window (AttentionMetadata.windows)
         self.k_caches, self.v_caches = k_caches, v_caches
         self.scratch_block, self.block_size = scratch_block, block_size
         self.width = max_blocks_per_seq
@@ -108,7 +109,8 @@ class DecodeGraphs:
         meta = AttentionMetadata(k_caches=self.k_caches, v_caches=self.v_caches, slots=step.slots,
                                  slot_blocks=step.slots, slot_offsets=step.slots, num_decode_tokens=size,
                                  decode_block_tables=step.decode_block_tables,
-                                 decode_context_lens=step.decode_context_lens, decode_max_context_len=0, triton=step)
+                                 decode_context_lens=step.decode_context_lens, decode_max_context_len=0, triton=step,
+                                 windows=self.windows)
         keep = self.keep[:size]
 
         def eager() -> torch.Tensor:

@@ -10,6 +10,12 @@
  *                    (head-major blocks: one head's part of a block is contiguous; K transposed)
  *   block_tables     [num_seqs, block_table_stride]                    int32
  *   context_lens     [num_seqs]                                        int32 (tokens to attend to, >= 1)
+ *   sinks            [num_heads] float32, or NULL                      (a logit of no token per head)
+ *
+ * A layer's own attention: window > 0 attends to the last `window` tokens only (a sliding window, as
+ * Hugging Face's masks define it: key k is seen from query q where q - window < k <= q), the blocks
+ * before it unread; softcap > 0 bounds each score with softcap * tanh(score / softcap); sinks join the
+ * softmax as a logit with no value.
  *
  * Work item: one sequence, all of its heads. Each KV head serves its whole group of query heads, so
  * each key and value row is read from memory once per step; and a block's K part (all KV heads) is
@@ -92,29 +98,38 @@ static inline vf vmax(vf a, vf b) {
     return a;
 }
 
-/* scores[g][t] <- exp(scores[g][t] - max_t) for t < ctx; inv_sums[g] <- 1 / sum_t. The caller scales by
- * inv_sums. Rows are row_stride floats apart. */
-static void softmax_rows(float *scores, float *inv_sums, int group, int ctx, int row_stride) {
-    for (int g = 0; g < group; g++) {
-        float *sg = scores + (int64_t)g * row_stride;
-        float m = sg[0];
-        int t = 0;
-        if (ctx >= VN) {
-            vf vm = vload_f32(sg);
-            for (t = VN; t + VN <= ctx; t += VN) vm = vmax(vm, vload_f32(sg + t));
-            for (int i = 0; i < VN; i++) m = vm[i] > m ? vm[i] : m;
-        }
-        for (; t < ctx; t++) m = sg[t] > m ? sg[t] : m;
-        vf vsum = {0};
-        for (t = 0; t + VN <= ctx; t += VN) {
-            vf e = vexp(vload_f32(sg + t) - m);
-            memcpy(sg + t, &e, sizeof e);
-            vsum += e;
-        }
-        float sum = hsum(vsum);
-        for (; t < ctx; t++) { sg[t] = expf(sg[t] - m); sum += sg[t]; }
-        inv_sums[g] = 1.0f / sum;
+/* s[t] <- exp(s[t] - m) for t < n, m the row's max; returns 1 / the sum. The caller scales by it. `sink`:
+ * a logit of no token that takes its share of the softmax (gpt-oss's attention sinks; -INFINITY: none). */
+static float softmax_row(float *s, int n, float sink) {
+    float m = sink;
+    int t = 0;
+    if (n >= VN) {
+        vf vm = vload_f32(s);
+        for (t = VN; t + VN <= n; t += VN) vm = vmax(vm, vload_f32(s + t));
+        for (int i = 0; i < VN; i++) m = vm[i] > m ? vm[i] : m;
     }
+    for (; t < n; t++) m = s[t] > m ? s[t] : m;
+    vf vsum = {0};
+    for (t = 0; t + VN <= n; t += VN) {
+        vf e = vexp(vload_f32(s + t) - m);
+        memcpy(s + t, &e, sizeof e);
+        vsum += e;
+    }
+    float sum = hsum(vsum) + expf(sink - m);
+    for (; t < n; t++) { s[t] = expf(s[t] - m); sum += s[t]; }
+    return 1.0f / sum;
+}
+
+/* One row of scores (tokens 0 .. ctx - 1 of its span) to probabilities: tokens before lo (past a sliding
+ * window) and from c on (later rows of a prefill tile) weigh 0; softcap > 0 first bounds each score to
+ * (-softcap, softcap) with tanh (Gemma 2's attention logit softcapping). */
+static float probabilities(float *s, int lo, int c, int ctx, float softcap, float sink) {
+    if (softcap > 0.0f)
+        for (int t = lo; t < c; t++) s[t] = softcap * tanhf(s[t] / softcap);
+    const float inv_sum = softmax_row(s + lo, c - lo, sink);
+    memset(s, 0, sizeof(float) * (size_t)lo);
+    memset(s + c, 0, sizeof(float) * (size_t)(ctx - c));
+    return inv_sum;
 }
 
 /* Scores of KT tokens (tokens v0..v0+KT-1 of a K block) for G query heads of one KV head: K_ROWS(d, v,
@@ -321,10 +336,17 @@ static inline void unpermute_pairs(float *o, int hdim) {
 #define DEFINE_SEQ_VEC(NAME, T, K_TILE, V_TILE_M, PV, HD)                                                      \
 static void NAME(const float *qs, const uint32_t *qpairs, const T *k_cache, const T *v_cache,          \
                  const int32_t *table, int ctx, float *os, float *scores, int group, int num_kv_heads,  \
-                 int64_t head_stride, int64_t block_stride, int block_size, float scale, int row_heads) {\
+                 int64_t head_stride, int64_t block_stride, int block_size, float scale, int row_heads,  \
+                 int window, float softcap, const float *sinks) {                                       \
     enum { HDIM = (HD), TILE = TILE_FOR(HD), VCHUNK = VCHUNK_FOR(HD) };                                                    \
     (void)qpairs;                                                                                       \
     const int num_heads = group * num_kv_heads;                                                         \
+    const int rows = row_heads ? group / row_heads : 1;                                                 \
+    /* A sliding window: skip the blocks before the first row's window; positions below are local */   \
+    const int base = window > 0 && ctx - (rows - 1) > window                                            \
+                     ? (ctx - (rows - 1) - window) / block_size * block_size : 0;                        \
+    table += base / block_size;                                                                         \
+    ctx -= base;                                                                                        \
     const int ctx_pad = (ctx + block_size - 1) / block_size * block_size;                              \
     for (int t0 = 0; t0 < ctx; t0 += block_size) {                                                      \
         const T *kb0 = k_cache + (int64_t)table[t0 / block_size] * block_stride;                        \
@@ -346,16 +368,13 @@ static void NAME(const float *qs, const uint32_t *qpairs, const T *k_cache, cons
         }                                                                                               \
     }                                                                                                   \
     float inv_sums[MAX_HEADS];                                                                          \
-    if (row_heads == 0) {                                                                               \
-        softmax_rows(scores, inv_sums, num_heads, ctx, ctx_pad);                                        \
-    } else { /* prefill tile: heads of a KV group are [row][row_heads]; row r sees ctx - (rows - 1 - r) */ \
-        const int rows = group / row_heads;                                                             \
-        for (int h = 0; h < num_heads; h++) {                                                           \
-            const int c = ctx - (rows - 1 - (h % group) / row_heads);                                   \
-            float *sg = scores + (int64_t)h * ctx_pad;                                                  \
-            softmax_rows(sg, inv_sums + h, 1, c, ctx_pad);                                              \
-            memset(sg + c, 0, sizeof(float) * (size_t)(ctx - c));                                      \
-        }                                                                                               \
+    /* a prefill tile's heads of a KV group are [row][row_heads]; row r sees ctx - (rows - 1 - r) */      \
+    for (int h = 0; h < num_heads; h++) {                                                               \
+        const int c = row_heads ? ctx - (rows - 1 - (h % group) / row_heads) : ctx;                     \
+        const int lo = window > 0 && c + base > window ? c + base - window - base : 0;                  \
+        const int head = row_heads ? h / group * row_heads + h % group % row_heads : h; /* the model's */ \
+        inv_sums[h] = probabilities(scores + (int64_t)h * ctx_pad, lo, c, ctx, softcap,                 \
+                                    sinks != NULL ? sinks[head] : -INFINITY);                           \
     }                                                                                                   \
     if (PV) pair_rows(scores, num_heads, ctx, ctx_pad);                                                 \
     memset(os, 0, sizeof(float) * (size_t)num_heads * HDIM);                                           \
@@ -388,10 +407,12 @@ static void NAME(const float *qs, const uint32_t *qpairs, const T *k_cache, cons
 #define DEFINE_SEQ_SCALAR(NAME, T, SLOAD, P)                                                            \
 static void NAME(const float *qs, const T *k_cache, const T *v_cache, const int32_t *table, int ctx,   \
                  float *os, float *scores, int group, int num_kv_heads, int64_t head_stride,            \
-                 int64_t block_stride, int block_size, float scale, int head_dim) {                     \
+                 int64_t block_stride, int block_size, float scale, int head_dim, int window,           \
+                 float softcap, const float *sinks) {                                                   \
     const int num_heads = group * num_kv_heads;                                                         \
+    const int lo = window > 0 && ctx > window ? ctx - window : 0; /* a sliding window's first token */  \
     for (int h = 0; h < num_heads; h++) {                                                               \
-        for (int t = 0; t < ctx; t++) {                                                                 \
+        for (int t = lo; t < ctx; t++) {                                                                \
             const T *kt = k_cache + (int64_t)table[t / block_size] * block_stride                       \
                           + (int64_t)(h / group) * head_stride + (t % block_size) * (P);                \
             float acc = 0.0f;                                                                           \
@@ -402,10 +423,12 @@ static void NAME(const float *qs, const T *k_cache, const T *v_cache, const int3
         }                                                                                               \
     }                                                                                                   \
     float inv_sums[MAX_HEADS];                                                                          \
-    softmax_rows(scores, inv_sums, num_heads, ctx, ctx);                                                \
+    for (int h = 0; h < num_heads; h++)                                                                 \
+        inv_sums[h] = probabilities(scores + (int64_t)h * ctx, lo, ctx, ctx, softcap,                   \
+                                    sinks != NULL ? sinks[h] : -INFINITY);                              \
     memset(os, 0, sizeof(float) * (size_t)num_heads * head_dim);                                       \
     for (int h = 0; h < num_heads; h++) {                                                               \
-        for (int t = 0; t < ctx; t++) {                                                                 \
+        for (int t = lo; t < ctx; t++) {                                                                \
             const T *vr = v_cache + (int64_t)table[t / block_size] * block_stride                       \
                           + (int64_t)(h / group) * head_stride + (t % block_size) * head_dim;           \
             const float p = scores[(int64_t)h * ctx + t] * inv_sums[h];                                 \
@@ -425,7 +448,7 @@ static inline uint32_t bf16_bits(float f) {
 int NAME(const float *q, const T *k_cache, const T *v_cache, const int32_t *block_tables,              \
          int64_t block_table_stride, const int32_t *context_lens, float *out, int num_seqs,             \
          int num_heads, int num_kv_heads, int head_dim, int block_size, int max_context_len,            \
-         float scale, int num_threads) {                                                                \
+         float scale, int window, float softcap, const float *sinks, int num_threads) {                 \
     const int group = num_heads / num_kv_heads;                                                         \
     if (group > MAX_GROUP || num_heads > MAX_HEADS || group * num_kv_heads != num_heads) return 2;      \
     const int64_t head_stride = (int64_t)block_size * head_dim;                                         \
@@ -451,13 +474,15 @@ int NAME(const float *q, const T *k_cache, const T *v_cache, const int32_t *bloc
                     qpairs[i] = bf16_bits(qs[2 * i]) | bf16_bits(qs[2 * i + 1]) << 16;                  \
             if (vectorised && head_dim == 64)                                                           \
                 SEQ64(qs, qpairs, k_cache, v_cache, table, context_lens[s], os, scores, group,          \
-                      num_kv_heads, head_stride, block_stride, block_size, scale, 0);                   \
+                      num_kv_heads, head_stride, block_stride, block_size, scale, 0, window, softcap,   \
+                      sinks);                                                                           \
             else if (vectorised)                                                                        \
                 SEQ128(qs, qpairs, k_cache, v_cache, table, context_lens[s], os, scores, group,         \
-                       num_kv_heads, head_stride, block_stride, block_size, scale, 0);                  \
+                       num_kv_heads, head_stride, block_stride, block_size, scale, 0, window, softcap,  \
+                       sinks);                                                                          \
             else                                                                                        \
                 SEQ_ANY(qs, k_cache, v_cache, table, context_lens[s], os, scores, group, num_kv_heads,  \
-                        head_stride, block_stride, block_size, scale, head_dim);                        \
+                        head_stride, block_stride, block_size, scale, head_dim, window, softcap, sinks); \
         }                                                                                               \
         free(scores);                                                                                   \
     }                                                                                                   \
@@ -473,7 +498,7 @@ int NAME(const float *q, const T *k_cache, const T *v_cache, const int32_t *bloc
 #define DEFINE_PAGED_PREFILL(NAME, T, SEQ64, SEQ128)                                                    \
 int NAME(const float *q, const T *k_cache, const T *v_cache, const int32_t *table, int start, int n,   \
          float *out, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,        \
-         int num_threads) {                                                                             \
+         int window, float softcap, const float *sinks, int num_threads) {                              \
     const int group = num_heads / num_kv_heads;                                                         \
     if (block_size % 16 != 0 || (head_dim != 64 && head_dim != 128) || group * num_kv_heads != num_heads \
         || group * PREFILL_ROWS > MAX_GROUP || num_heads * PREFILL_ROWS > MAX_HEADS) return 2;            \
@@ -506,10 +531,12 @@ int NAME(const float *q, const T *k_cache, const T *v_cache, const int32_t *tabl
                     qpairs[j] = bf16_bits(qt[2 * j]) | bf16_bits(qt[2 * j + 1]) << 16;                  \
             if (head_dim == 64)                                                                         \
                 SEQ64(qt, qpairs, k_cache, v_cache, table, start + r0 + rows, ot, scores, rows * group, \
-                      num_kv_heads, head_stride, block_stride, block_size, scale, group);               \
+                      num_kv_heads, head_stride, block_stride, block_size, scale, group, window,        \
+                      softcap, sinks);                                                                  \
             else                                                                                        \
                 SEQ128(qt, qpairs, k_cache, v_cache, table, start + r0 + rows, ot, scores, rows * group, \
-                       num_kv_heads, head_stride, block_stride, block_size, scale, group);              \
+                       num_kv_heads, head_stride, block_stride, block_size, scale, group, window,       \
+                       softcap, sinks);                                                                 \
             for (int kh = 0; kh < num_kv_heads; kh++)                                                   \
                 for (int r = 0; r < rows; r++)                                                          \
                     memcpy(out + ((int64_t)(r0 + r) * num_heads + kh * group) * head_dim,               \
