@@ -87,12 +87,19 @@ def _hf(name: str, model_dir: Path, workload: list[tuple[list[int], int]]) -> li
     return _HF[name]
 
 
-def _run(model_dir: Path, workload: list[tuple[list[int], int]], **config) -> list[list[int]]:
+def _run(model_dir: Path, workload: list[tuple[list[int], int]], **config) -> tuple[list[list[int]], Engine]:
+    """The workload's greedy outputs through one engine: all but the last request, then the last alone (which
+    shares its prefix with the one before it: cached blocks to take)."""
     engine = Engine(model_dir, EngineConfig(block_size=16, max_num_batched_tokens=20, enable_prefix_caching=True,
                                             **config))
-    got = engine.generate([p for p, _ in workload],
-                          [SamplingParams(max_new_tokens=n, ignore_eos=True) for _, n in workload])
-    return [o.output_token_ids for o in sorted(got, key=lambda o: o.request_id)]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for _, n in workload]
+    got = list(engine.generate([p for p, _ in workload[:-1]], params[:-1]))
+    engine.add(len(workload) - 1, workload[-1][0], params[-1])
+    computed = engine.stats.num_prompt_tokens_computed
+    while engine.has_unfinished():
+        got.extend(engine.step())
+    engine.prefix_hit = engine.stats.num_prompt_tokens_computed - computed < len(workload[-1][0])
+    return [o.output_token_ids for o in sorted(got, key=lambda o: o.request_id)], engine
 
 
 @pytest.mark.parametrize("kernels", ["c", "torch"])
@@ -103,8 +110,10 @@ def test_each_family_equals_hf_generate_past_its_window(family_dirs: dict[str, P
     request but not all at once, so sequences are preempted and recomputed."""
     workload = _workload()
     want = _hf(family, family_dirs[family], workload)
-    assert _run(family_dirs[family], workload, kv_cache_memory=_kv_bytes(family_dirs[family], 10),
-                kernels=kernels) == want
+    got, engine = _run(family_dirs[family], workload, kv_cache_memory=_kv_bytes(family_dirs[family], 10),
+                       kernels=kernels)
+    assert got == want
+    assert engine.stats.num_preemptions >= 1 and engine.prefix_hit, "preemption and a prefix hit were in play"
 
 
 @pytest.mark.parametrize("family", ["mistral", "gemma2", "gpt-oss", "gemma3"])
@@ -113,8 +122,9 @@ def test_each_family_equals_hf_generate_on_the_triton_path(family_dirs: dict[str
     pytest.importorskip("triton")
     workload = _workload()[:6]
     want = _hf(family, family_dirs[family], _workload())[:6]
-    assert _run(family_dirs[family], workload, kv_cache_memory=_kv_bytes(family_dirs[family], 12),
-                attention_backend="triton", fast_forward=False) == want
+    got, _ = _run(family_dirs[family], workload, kv_cache_memory=_kv_bytes(family_dirs[family], 12),
+                  attention_backend="triton")
+    assert got == want
 
 
 def _kv_bytes(model_dir: Path, num_blocks: int) -> int:
