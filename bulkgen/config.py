@@ -18,6 +18,7 @@ from typing import Any
 from bulkgen.errors import ConfigError
 
 DTYPES = ("float32", "bfloat16", "float16")
+DTYPE_CHOICES = ("auto", *DTYPES)  # auto: float32 where the weights fit, else bfloat16 (engine/memory.py)
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "kernel", "torch", "triton")
 # CPU kernel families, each run in bulkgen's C kernels or in plain torch (engine/cpu/paths.py decides).
@@ -118,7 +119,7 @@ def request_seed(*key: Any) -> int:
 class EngineConfig:
     """Limits of the engine. Sizes left as None are derived from the machine and the model."""
 
-    dtype: str = "float32"
+    dtype: str = "auto"  # resolved to one of DTYPES when the model loads (engine/memory.choose_dtype)
     device: str = "auto"
     block_size: int = 32  # tokens per KV block (32 reads K/V in longer runs than 16: BENCHMARKS.md, session 7)
     kv_cache_memory: int | None = None  # bytes for K and V of all layers
@@ -135,7 +136,7 @@ class EngineConfig:
     cuda_graphs: bool = False  # GPU: replay pure-decode steps as CUDA graphs (off until measured on a GPU)
 
     def __post_init__(self) -> None:
-        _check(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        _check(self.dtype in DTYPE_CHOICES, f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
         _check(self.device in DEVICES or self.device.startswith("cuda:"),
                f"device must be one of {', '.join(DEVICES)} or cuda:N, got {self.device!r}")
         power_of_two = isinstance(self.block_size, int) and self.block_size >= 1 \

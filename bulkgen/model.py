@@ -8,6 +8,8 @@ No torch here: a shape is read off any object with a Hugging Face config's attri
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -85,6 +87,29 @@ def sliding_window(config: Any) -> int | None:
     if layer_types is not None:
         return window if "sliding_attention" in layer_types else None
     return window if getattr(config, "use_sliding_window", True) is not False else None
+
+
+def weight_count(model_dir: Path) -> int | None:
+    """The number of weights in a model directory's safetensors files (their headers only: no tensor is read),
+    or None where it holds none (a .bin checkpoint: the caller estimates from the shape)."""
+    total, found = 0, False
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        found = True
+        try:
+            with open(path, "rb") as f:
+                header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        except (OSError, ValueError) as exc:
+            raise ModelError(f"cannot read the weights file {path}: {exc}") from exc
+        total += sum(math.prod(t["shape"]) for key, t in header.items() if key != "__metadata__")
+    return total if found else None
+
+
+def estimated_weight_count(shape: ModelShape) -> int:
+    """About how many weights a dense model of this shape has (untied embeddings, gated MLP): where no
+    safetensors header says."""
+    attention = shape.hidden * shape.head_dim * (2 * shape.num_heads + 2 * shape.num_kv_heads)
+    mlp = 3 * shape.hidden * shape.intermediate
+    return shape.num_layers * (attention + mlp) + 2 * shape.vocab * shape.hidden
 
 
 def read_config(model_dir: Path) -> Any:

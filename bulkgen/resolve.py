@@ -122,17 +122,20 @@ def _find_alias_gguf(name: str, alias: Alias, paths: Paths, log: Log) -> Path:
 
 
 def _convert_gguf(gguf: Path, target: Path, log: Log) -> None:
-    """Dequantize a GGUF file once and save it as a float32 safetensors directory."""
+    """Dequantize a GGUF file once and save it as a safetensors directory: float32 where the model fits in
+    memory so (exact: every dequantized weight kept as is), else bfloat16 (a 4.9 GB Q4_K_M 8B file would be
+    32 GB in float32, 16 GB in bfloat16)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    log(f"bulkgen: converting {gguf.name} to safetensors in {target} (once; about 20 s)")
+    dtype = _gguf_dtype(gguf)
+    log(f"bulkgen: converting {gguf.name} to {dtype} safetensors in {target} (once; about 20 s a GB)")
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=getattr(torch, dtype))
     except Exception as exc:
         raise ModelError(f"cannot load GGUF file {gguf}: {exc}") from exc
-    # The weights are plain float32 tensors now; saving must not claim they are still quantized.
+    # The weights are plain tensors now; saving must not claim they are still quantized.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
@@ -148,6 +151,20 @@ def _convert_gguf(gguf: Path, target: Path, log: Log) -> None:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     log(f"bulkgen: {gguf.name} is ready in {target}")
+
+
+def _gguf_dtype(gguf: Path) -> str:
+    """float32 where the dequantized weights fit beside a KV cache in this machine's memory, else bfloat16 (the
+    weights' own GGUF types are 4-8 bits: bfloat16 holds them closely)."""
+    from gguf import GGUFReader
+
+    from bulkgen.engine.memory import CPU_HEADROOM_BYTES, MIN_KV_BYTES, available_memory
+
+    try:
+        num_weights = sum(int(t.n_elements) for t in GGUFReader(gguf).tensors)
+    except Exception as exc:  # a damaged or foreign file fails in the reader in many ways
+        raise ModelError(f"cannot read GGUF file {gguf}: {exc}") from exc
+    return "float32" if 4 * num_weights + MIN_KV_BYTES + CPU_HEADROOM_BYTES <= available_memory() else "bfloat16"
 
 
 @contextmanager

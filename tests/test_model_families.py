@@ -18,7 +18,7 @@ import torch
 from bulkgen.config import EngineConfig, SamplingParams
 from bulkgen.engine.engine import Engine
 from bulkgen.errors import ModelError
-from bulkgen.model import ModelShape, sliding_window
+from bulkgen.model import ModelShape, read_config, sliding_window
 from bulkgen.store.db import open_store
 from bulkgen.store.models import Request
 from tests.helpers import hf_greedy, invoke, invoke_json, write_parquet
@@ -116,7 +116,7 @@ def test_each_family_equals_hf_generate_past_its_window(family_dirs: dict[str, P
     assert engine.stats.num_preemptions >= 1 and engine.prefix_hit, "preemption and a prefix hit were in play"
 
 
-@pytest.mark.parametrize("family", ["mistral", "gemma2", "gpt-oss", "gemma3"])
+@pytest.mark.parametrize("family", ["mistral", "qwen2-hybrid", "mixtral", "gemma2", "gemma3", "gpt-oss"])
 def test_each_family_equals_hf_generate_on_the_triton_path(family_dirs: dict[str, Path], family: str) -> None:
     """The Triton kernels (in Triton's interpreter): windows, softcapping and sinks as on the other paths."""
     pytest.importorskip("triton")
@@ -128,8 +128,6 @@ def test_each_family_equals_hf_generate_on_the_triton_path(family_dirs: dict[str
 
 
 def _kv_bytes(model_dir: Path, num_blocks: int) -> int:
-    from bulkgen.model import read_config
-
     return ModelShape.of(read_config(model_dir)).kv_bytes_per_token("float32") * 16 * num_blocks
 
 
@@ -170,16 +168,32 @@ def test_a_sliding_model_runs_past_its_window_through_the_queue(tmp_path: Path, 
      "layers of type linear_attention"),
     ("Lfm2Config", dict(layer_types=["conv", "full_attention"]), "layers of type conv"),
     ("MambaConfig", dict(), "layers of type linear_attention"),
+    ("Llama4TextConfig", dict(head_dim=16, num_local_experts=2, intermediate_size_mlp=128, attention_chunk_size=16),
+     "layers of type chunked_attention"),
+    # the probe at load: what reaches bulkgen's attention, and how
+    ("BertConfig", dict(), "mask lets a token see the tokens after it"),
+    ("DiffLlamaConfig", dict(), "calls bulkgen's attention 4 times for its 2 layers"),
+    ("BloomConfig", dict(n_layer=2, n_head=4), "calls bulkgen's attention 0 times"),
+    ("DeepseekV3Config", dict(q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                              n_routed_experts=4, first_k_dense_replace=1, n_group=1, topk_group=1,
+                              moe_intermediate_size=32), "gives K/V of 4 heads x 16 dims"),
 ])
 def test_attention_features_bulkgen_lacks_are_refused_at_load(tmp_path: Path, default_model_dir: Path,
                                                              config_class: str, fields: dict, feature: str) -> None:
     """Run by bulkgen these would differ from the model at every length: refused with the model class and
     the feature, before any request is taken (ModelError: exit 2 in the CLI). Linear attention, short
     convolutions and state-space mixers carry a state from token to token that the paged KV cache does
-    not hold (Qwen3-Next and LFM2 ran before, silently wrong; Mamba crashed in oneDNN)."""
+    not hold (Qwen3-Next and LFM2 ran before, silently wrong; Mamba crashed in oneDNN). The probe at load
+    finds the rest: a BERT used as a decoder attends both ways, DiffLlama runs two softmaxes a layer and
+    Bloom attends in its own code (each ran before, silently wrong), multi-head latent attention gives
+    K/V of other shapes than its config's heads (it crashed)."""
     model_dir = tiny_model(tmp_path / config_class, default_model_dir, config_class, **fields)
-    with pytest.raises(ModelError, match=f"uses {feature}.*cannot run this model exactly"):
+    with pytest.raises(ModelError, match=feature) as refused:
         Engine(model_dir, EngineConfig(kv_cache_memory=4 * 2**20))
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[read_config(model_dir).model_type]
+    assert str(refused.value).startswith(model_class), "the message names the model's class first"
 
 
 @pytest.mark.parametrize("kernels", ["c", "torch"])

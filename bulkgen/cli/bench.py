@@ -20,7 +20,7 @@ from bulkgen.bench.report import format_table, plot, write_json
 from bulkgen.bench.run import BenchOptions, child_runner, parse_engines, run_bench
 from bulkgen.bench.suite import SUITE_ENGINES, SUITE_MODELS, format_suite, run_suite, write_suite_json
 from bulkgen.cli.options import CONTEXT, BulkgenGroup, engine_config, engine_options
-from bulkgen.config import SamplingParams
+from bulkgen.config import EngineConfig, SamplingParams
 from bulkgen.jobspec import load_schema
 from bulkgen.model import ModelShape, load_tokenizer, read_config
 from bulkgen.resolve import DEFAULT_MODEL, resolve_model
@@ -162,7 +162,7 @@ def compare(workload: Path | None, synthetic: int | None, suite: str | None, sui
         data = wl.from_parquet(workload, tokenizer, limit, max_new_tokens=max_new_tokens, chat=chat)
     else:
         data = wl.synthetic(synthetic, len(tokenizer), seed)
-    config = engine_config(engine)
+    config = _resolved_dtype(engine_config(engine), resolved.path)
     engines = parse_engines(compare, config.dtype)
     sampling = _sampling(temperature, top_p, top_k, min_p)
     schema = load_schema(bench_schema) if bench_schema is not None else None
@@ -274,6 +274,18 @@ def _queue(workers: str, dbs: tuple[str, ...], num_requests: int, max_num_seqs: 
         json_path.write_text(json.dumps({"queue": rows}, indent=2) + "\n")
 
 
+def _resolved_dtype(config: EngineConfig, model_dir: Path) -> EngineConfig:
+    """--dtype auto made the dtype every engine of the comparison runs in: what bulkgen's engine would load."""
+    if config.dtype != "auto":
+        return config
+    import torch  # here: the bench's children import it anyway
+
+    from bulkgen.engine.memory import dtype_for
+
+    on_gpu = config.device.startswith("cuda") or (config.device == "auto" and torch.cuda.is_available())
+    return dataclasses.replace(config, dtype=dtype_for("auto", model_dir, config.kv_cache_memory, on_gpu))
+
+
 def _suite(models: str, num_requests: int, peer_requests: int, hf_batch_size: str, json_path: Path | None,
            engine: dict[str, Any]) -> None:
     names = [m.strip() for m in models.split(",") if m.strip()]
@@ -281,7 +293,7 @@ def _suite(models: str, num_requests: int, peer_requests: int, hf_batch_size: st
     if unknown or not names:
         raise click.BadParameter(f"unknown suite model(s) {unknown}; known: {', '.join(SUITE_MODELS)}",
                                  param_hint="--suite-models")
-    if engine["dtype"] == "float32":
+    if engine["dtype"] in ("auto", "float32"):
         engine["dtype"] = "bfloat16"  # the suite measures bfloat16 (a --dtype of float16 is kept)
     config = dataclasses.asdict(engine_config(engine))
     run = child_runner(timeout_s=3600, hf_batch_sizes=[int(b) for b in hf_batch_size.split(",")])

@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from bulkgen.config import ATTENTION_BACKENDS, DTYPES, EngineConfig, Paths
+from bulkgen.config import ATTENTION_BACKENDS, DTYPE_CHOICES, EngineConfig, Paths
 from bulkgen.errors import BulkgenError
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
@@ -96,8 +96,9 @@ def engine_options(func: Callable) -> Callable:
     default the field's own."""
     default = EngineConfig()
     options = [
-        click.option("--dtype", type=click.Choice(DTYPES), default=default.dtype,
-                     show_default=True, help="Weights, activations and KV cache."),
+        click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default=default.dtype,
+                     show_default=True, help="Weights, activations and KV cache (auto: float32 where the weights "
+                                             "fit in memory, else bfloat16 where the CPU computes it natively)."),
         click.option("--device", default=default.device, show_default=True, help="cpu, cuda, cuda:N or auto."),
         click.option("--kv-cache-memory", metavar="SIZE",
                      help="KV cache size, e.g. 2GiB (default: 4GiB or a quarter of free RAM on CPU; "

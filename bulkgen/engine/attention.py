@@ -144,6 +144,8 @@ class AttentionMetadata:
     decode_max_context_len: int
     prefills: list[PrefillChunk] = field(default_factory=list)
     windows: tuple[int, ...] = ()  # per layer: its sliding window (0, or none given: the whole context)
+    calls: list[int] | None = None  # the layers whose attention came through paged_attention_forward (a probe)
+    mask_windows: dict[int, int] | None = None  # per layer, the window its own mask gives (a probe: MaskSpan)
     # The C kernels for decode attention, prefill attention and the KV write (None: torch); each family's
     # path is chosen per machine (cpu/paths.py)
     decode_kernel: Kernels | None = None
@@ -179,10 +181,11 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         raise ModelError(f"{type(module).__name__} was called outside a bulkgen step")
     layer = module.layer_idx
     window = meta.windows[layer] if meta.windows else 0
-    asked = kwargs.get("sliding_window")
-    if (asked or 0) != window:  # the config read (model.ModelShape) and the module disagree: never guess
-        raise ModelError(f"{type(module).__name__} (layer {layer}) attends over a sliding window of {asked}, where "
-                         f"its config reads {window or 'none'}: bulkgen cannot tell which the model means")
+    if isinstance(attention_mask, MaskSpan):  # the runner's probe: the layer's own mask says
+        window = attention_mask.window
+        if meta.mask_windows is not None:
+            meta.mask_windows[layer] = window
+    _check_module(module, layer, key, value, meta, kwargs, window)
     sinks = kwargs.get("s_aux")
     spec = LayerAttention(window=window, softcap=float(kwargs.get("softcap") or 0.0),
                           sinks=None if sinks is None else sinks.detach().float().contiguous())
@@ -190,6 +193,29 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     out = attend(meta, layer, query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), scale,
                  spec)
     return out.unsqueeze(0), None
+
+
+def _check_module(module: torch.nn.Module, layer: int, key: torch.Tensor, value: torch.Tensor,
+                  meta: AttentionMetadata, kwargs: dict, window: int) -> None:
+    """What a Hugging Face module asks of its attention that bulkgen's does not compute: refused (ModelError), never
+    run to other outputs. The runner's probe at load meets these first, before any request."""
+    name = type(module).__name__
+    causal = kwargs.get("is_causal")
+    if (getattr(module, "is_causal", True) if causal is None else causal) is False:
+        raise ModelError(f"{name} attends in both directions (an encoder's attention, not a causal LM's): bulkgen "
+                         "generates with causal attention only")
+    cache = meta.v_caches[layer]
+    if key.shape[1] != cache.shape[1] or key.shape[-1] != cache.shape[-1] or value.shape[-1] != cache.shape[-1]:
+        raise ModelError(f"{name} (layer {layer}) gives K/V of {key.shape[1]} heads x {key.shape[-1]} dims (V "
+                         f"{value.shape[-1]}) where its config reads {cache.shape[1]} x {cache.shape[-1]}: bulkgen's "
+                         "KV cache cannot hold them")
+    asked = kwargs.get("sliding_window")
+    # None: the module leaves the window to its mask (read at load: the runner's probe)
+    if asked is not None and asked != window:
+        raise ModelError(f"{name} (layer {layer}) asks its attention for a sliding window of {asked}, where its mask "
+                         f"gives {window or 'none'}: bulkgen cannot tell which the model means")
+    if meta.calls is not None:
+        meta.calls.append(layer)
 
 
 def attend(meta: AttentionMetadata, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -310,6 +336,50 @@ def decode_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         mask &= positions >= lens - spec.window
     o = sdpa(q.unsqueeze(2), k, v, mask[:, None, None, :], scale, spec)  # mask [seqs, 1, 1, ctx]
     return o[:, :, 0]  # [num_seqs, num_heads, head_dim]
+
+
+@dataclass(frozen=True)
+class MaskSpan:
+    """What a layer's own mask lets a query see, as the model's code builds it (read by `mask_span` while the
+    runner probes the model): the last `window` positions up to its own (0: all of them)."""
+
+    window: int
+
+
+def mask_span(batch_size: int, cache_position: torch.Tensor | None = None, kv_length: int = 0, kv_offset: int = 0,
+              mask_function: object = None, attention_mask: torch.Tensor | None = None, **kwargs) -> object:
+    """transformers' mask interface, registered only while the runner probes a model at load: instead of a
+    mask, the span its mask function gives a query far into a sequence, which then reaches each layer's
+    attention call as its attention_mask. So each layer's window is read from what the model's own code
+    builds, not from a guess at what its config means. A mask that is not a causal window (bidirectional,
+    chunked) is refused."""
+    far = _PROBE_POSITION
+    kv = torch.arange(far + 2)
+    seen = mask_function(torch.tensor(0), torch.tensor(0), torch.tensor(far), kv)
+    seen = torch.as_tensor(seen, dtype=torch.bool).expand(kv.shape)
+    if bool(seen[far + 1]):
+        raise ModelError("the model's mask lets a token see the tokens after it (an encoder's or a prefix-LM's "
+                         "attention): bulkgen generates with causal attention only")
+    first = int(seen[:far + 1].nonzero()[0]) if bool(seen[:far + 1].any()) else far + 1
+    if first > far or not bool(seen[first:far + 1].all()):
+        raise ModelError("the model's mask is not a causal window over the last tokens (chunked attention, say): "
+                         "bulkgen's attention computes full and sliding-window attention only")
+    return MaskSpan(window=0 if first == 0 else far - first + 1)
+
+
+_PROBE_POSITION = 2**17  # windows this long or longer read as the whole context (a model's context is checked)
+
+
+@contextmanager
+def reading_masks() -> Iterator[None]:
+    """While the runner probes a model: transformers builds each mask through `mask_span` (MaskSpan values)."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    AttentionMaskInterface.register(ATTENTION_NAME, mask_span)
+    try:
+        yield
+    finally:  # unregistered, transformers builds no mask for bulkgen's attention (it needs none)
+        ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.pop(ATTENTION_NAME, None)
 
 
 # The step's metadata, set by the runner around the model's forward on its own thread: not passed as a keyword

@@ -31,6 +31,7 @@ class Engine:
         packing.admission_for(packing); None admits whatever has blocks now."""
         self.config = config or EngineConfig()
         self.runner = ModelRunner(model, self.config)
+        self.config = self.runner.config  # its dtype resolved (auto: what fits)
         hf_config = self.runner.model.config
         self.tokenizer = tokenizer or load_tokenizer(model if not isinstance(model, torch.nn.Module)
                                                      else hf_config._name_or_path)

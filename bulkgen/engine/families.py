@@ -12,6 +12,7 @@ import torch
 # (use_cache=False) and keeps only paged K/V, so such a layer would see no past at all.
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 STATEFUL_MODULES = ("mamba", "gateddeltanet", "shortconv", "rwkv", "linearattention", "recurrent", "lstm")
+STATEFUL_LAYER_WORDS = ("linear", "mamba", "conv", "recurrent", "rwkv", "hybrid", "ssm", "delta")  # in layer_types
 
 
 def unsupported_features(model: torch.nn.Module) -> str | None:
@@ -21,7 +22,10 @@ def unsupported_features(model: torch.nn.Module) -> str | None:
     other = sorted(set(getattr(config, "layer_types", None) or ()) - set(ATTENTION_LAYER_TYPES))
     stateful = sorted({type(m).__name__ for m in model.modules()
                        if any(name in type(m).__name__.lower() for name in STATEFUL_MODULES)})
-    if other or stateful:
-        what = f"layers of type {', '.join(other)}" if other else f"{stateful[0]} layers"
+    carries_state = bool(stateful) or any(word in kind for kind in other for word in STATEFUL_LAYER_WORDS)
+    if not other and not stateful:
+        return None
+    what = f"layers of type {', '.join(other)}" if other else f"{stateful[0]} layers"
+    if carries_state:
         return f"{what} (a state carried from token to token, which bulkgen's paged KV cache does not hold)"
-    return None
+    return f"{what} (attention of another kind than the full and sliding-window attention bulkgen computes)"

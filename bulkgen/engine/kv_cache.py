@@ -12,16 +12,15 @@ from __future__ import annotations
 
 import ctypes
 
-import psutil
 import torch
 
 from bulkgen.config import EngineConfig, format_size
 from bulkgen.engine import attention
+from bulkgen.engine.memory import CPU_HEADROOM_BYTES, available_memory
 from bulkgen.errors import ConfigError
 from bulkgen.model import ModelShape
 
 CPU_DEFAULT_KV_BYTES = 4 * 2**30
-CPU_HEADROOM_BYTES = 1 * 2**30  # activations of a 1k-token step, Python, libraries
 GPU_ACTIVATION_BYTES = 2 * 2**30
 MIN_KV_BLOCKS = 4
 
@@ -60,7 +59,7 @@ def kv_budget(config: EngineConfig, device: torch.device) -> int:
     memory share leaves after the weights, else a quarter of free memory up to 4 GiB."""
     if config.kv_cache_memory is not None:
         if device.type == "cpu":
-            available = psutil.virtual_memory().available
+            available = available_memory()
             if config.kv_cache_memory > available - CPU_HEADROOM_BYTES:
                 raise ConfigError(
                     f"a KV cache of {format_size(config.kv_cache_memory)} does not fit: with the model "
@@ -75,7 +74,7 @@ def kv_budget(config: EngineConfig, device: torch.device) -> int:
             raise ConfigError(f"no GPU memory left for a KV cache: {format_size(used_elsewhere)} of "
                               f"{format_size(total)} in use; raise --gpu-memory-utilization or free the GPU")
         return budget
-    return int(min(CPU_DEFAULT_KV_BYTES, psutil.virtual_memory().available * 0.25))
+    return int(min(CPU_DEFAULT_KV_BYTES, available_memory() * 0.25))
 
 
 def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -9,6 +9,7 @@ cpu/paths.py) and gpu/ (Triton); torch is the reference and the floor.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from pathlib import Path
@@ -16,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bulkgen.config import DTYPES, EngineConfig
-from bulkgen.engine import attention, llama
+from bulkgen.config import DTYPES, EngineConfig, SamplingParams
+from bulkgen.engine import attention, llama, memory
 from bulkgen.engine.cpu.attention import kernel_layout
 from bulkgen.engine.cpu.machine import check_dtype_fits, keep_freed_memory
 from bulkgen.engine.cpu.ops import Ops
@@ -37,8 +38,8 @@ TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPES}  # config.DTYPES,
 
 class ModelRunner:
     def __init__(self, model: str | Path | torch.nn.Module, config: EngineConfig) -> None:
-        self.config = config
         self.device = _device(config.device)
+        self.config = config = dataclasses.replace(config, dtype=_weights_dtype(model, config, self.device))
         self.dtype = TORCH_DTYPES[config.dtype]
         if self.device.type == "cpu":
             check_dtype_fits(config.dtype)
@@ -74,6 +75,60 @@ class ModelRunner:
         self.prefill_in_c = self.paths.c("prefill_attention") is not None \
             and kernel_layout(self._k_caches[0])
         self.decode_graphs = None  # built by limit_context, when graphs are on
+        self._calls: list[int] | None = None  # set while probing: the layers whose attention reached ours
+        self._mask_windows: dict[int, int] | None = None  # and the window each one's own mask gives
+        if self.forward is None:
+            self._probe()
+
+    def _probe(self) -> None:
+        """Two tokens through the model's own modules at load, before any request is taken: every layer's
+        attention must come through bulkgen's attention function once, causal, with K/V shaped as the cache
+        (attention.paged_attention_forward checks each call), and each layer's window is read off the mask
+        the model's own code builds for it (attention.mask_span). A model whose attention goes elsewhere
+        (written into its modules, shared between layers, an encoder's) would run to other outputs than its
+        own: it is refused here, with the model's class and what it does. The probe writes block 0, which
+        nothing holds yet."""
+        name = type(self.model).__name__
+        try:
+            try:
+                calls, windows = self._probe_step(read_masks=True)
+            except ModelError:
+                raise
+            except Exception:  # a module that reads its mask itself: probe again, windows read from the config
+                calls, windows = self._probe_step(read_masks=False)
+        except ModelError as exc:
+            if str(exc).startswith(name):
+                raise
+            raise ModelError(f"{name}: {exc}") from exc
+        except Exception as exc:  # a model's modules may fail in any way on bulkgen's inputs
+            raise ModelError(f"{name} fails on a first step through bulkgen's attention ({type(exc).__name__}: "
+                             f"{exc}): bulkgen cannot run this model") from exc
+        if sorted(calls) != list(range(self.shape.num_layers)):
+            raise ModelError(f"{name} calls bulkgen's attention {len(calls)} times for its {self.shape.num_layers} "
+                             f"layers (from layers {sorted(set(calls))}), where the paged KV cache holds one call's "
+                             "K/V a layer: its attention does not run through transformers' attention interface as "
+                             "bulkgen needs, so bulkgen cannot run it exactly")
+        if len(windows) == self.shape.num_layers:  # each layer's mask, as the model's own code built it
+            read = tuple(windows[i] for i in range(self.shape.num_layers))
+            if read != (self.windows or (0,) * self.shape.num_layers):
+                log.info("bulkgen: %s's masks give windows %s where its config reads %s; the masks are the model's",
+                         name, read, self.windows)
+            self.windows = read if any(read) else ()
+
+    def _probe_step(self, read_masks: bool) -> tuple[list[int], dict[int, int]]:
+        """One two-token step; the layers whose attention reached bulkgen's, and the window each one's mask gave."""
+        seq = Sequence("probe", [0, 0], SamplingParams(max_new_tokens=1))
+        seq.block_table = [0]
+        self._calls, self._mask_windows = [], {}
+        try:
+            if read_masks:
+                with attention.reading_masks():
+                    self.execute([ScheduledSeq(seq, 2)])
+            else:
+                self.execute([ScheduledSeq(seq, 2)])
+            return self._calls, self._mask_windows
+        finally:
+            self._calls, self._mask_windows = None, None
 
     def limit_context(self, max_model_len: int) -> None:
         """The engine's cap on a sequence's tokens: decode graphs' block tables are that wide."""
@@ -179,7 +234,7 @@ class ModelRunner:
             k_caches=self._k_caches, v_caches=self._v_caches, slots=step.slots, slot_blocks=step.slots,
             slot_offsets=step.slots, num_decode_tokens=len(decodes), decode_block_tables=step.decode_block_tables,
             decode_context_lens=step.decode_context_lens, decode_max_context_len=0, triton=step,
-            windows=self.windows)
+            windows=self.windows, calls=self._calls, mask_windows=self._mask_windows)
         return meta, ids, pos, keep
 
     def _metadata(self, decodes: list[ScheduledSeq], slots: list[int],
@@ -198,7 +253,8 @@ class ModelRunner:
             decode_block_tables=torch.from_numpy(tables).to(self.device),
             decode_context_lens=torch.tensor(context_lens, dtype=torch.int32, device=self.device),
             decode_max_context_len=max(context_lens, default=0),
-            prefills=chunks, windows=self.windows, decode_kernel=self.paths.c("decode_attention"),
+            prefills=chunks, windows=self.windows, calls=self._calls, mask_windows=self._mask_windows,
+            decode_kernel=self.paths.c("decode_attention"),
             prefill_kernel=self.paths.c("prefill_attention"), write_kernel=self.paths.c("small_ops"),
             num_threads=torch.get_num_threads(),
         )
@@ -246,6 +302,17 @@ def _use_triton(device: torch.device, backend: str) -> bool:
     return True
 
 
+def _weights_dtype(model: str | Path | torch.nn.Module, config: EngineConfig, device: torch.device) -> str:
+    """The dtype the weights load in: --dtype, or for auto what fits (engine/memory.py); checked before
+    anything is loaded."""
+    on_gpu = device.type == "cuda"
+    if not isinstance(model, torch.nn.Module):
+        return memory.dtype_for(config.dtype, Path(model), config.kv_cache_memory, on_gpu)
+    num_weights = sum(p.numel() for p in model.parameters())
+    return memory.choose_dtype(config.dtype, num_weights, config.kv_cache_memory, memory.available_memory(),
+                               memory.native_dtypes(), on_gpu, type(model).__name__)
+
+
 def _device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -268,7 +335,13 @@ def _load(model: str | Path | torch.nn.Module, dtype: torch.dtype, device: torch
         try:
             loaded = AutoModelForCausalLM.from_pretrained(model, dtype=dtype,
                                                           attn_implementation=attention.ATTENTION_NAME)
-        except (OSError, ValueError, KeyError) as exc:
+        except KeyError as exc:
+            if exc.args == (attention.ATTENTION_NAME,):  # the class looks attention up in a table of its own
+                raise ModelError(f"cannot load model {model}: its transformers class does not take an attention "
+                                 "function through transformers' attention interface, so bulkgen cannot plug its "
+                                 "paged attention into it") from exc
+            raise ModelError(f"cannot load model {model}: {exc}") from exc
+        except (OSError, ValueError) as exc:
             raise ModelError(f"cannot load model {model}: {exc}") from exc
     if loaded.config._attn_implementation != attention.ATTENTION_NAME:
         raise ModelError(f"{type(loaded).__name__} does not use transformers' attention interface; "

@@ -1,0 +1,111 @@
+"""What fits in this machine's memory: how much is free to bulkgen, and the dtype a model's weights load in.
+
+`--dtype auto` (the default) loads the weights in float32 where they fit beside the KV cache and the step's
+activations, else in bfloat16 where the device computes it natively (a GPU, or a CPU with AVX512-BF16, AMX or
+Arm BF16), and refuses before loading anything, with the numbers, where neither fits. A dtype asked for by name
+is checked the same way. Free memory is the least of what Linux reports available, what the process's cgroup
+still allows (a container's limit), and BULKGEN_MEMORY_LIMIT.
+
+No torch here: the decision is arithmetic on sizes, tested as such.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import psutil
+
+from bulkgen.config import format_size, parse_size
+from bulkgen.errors import ConfigError
+from bulkgen.model import DTYPE_BYTES
+
+MEMORY_LIMIT_ENV = "BULKGEN_MEMORY_LIMIT"  # e.g. 16GiB: count no more than this as free (a machine shared with others)
+CPU_HEADROOM_BYTES = 1 * 2**30  # activations of a 1k-token step, Python, libraries
+MIN_KV_BYTES = 256 * 2**20  # what a default-sized KV cache must at least get beside the weights
+
+
+def available_memory() -> int:
+    """Bytes bulkgen may still use: Linux's available memory, capped by the cgroup's limit and by
+    BULKGEN_MEMORY_LIMIT."""
+    free = psutil.virtual_memory().available
+    cgroup = _cgroup_room()
+    if cgroup is not None:
+        free = min(free, cgroup)
+    limit = os.environ.get(MEMORY_LIMIT_ENV)
+    if limit:
+        try:
+            cap = parse_size(limit)
+        except ConfigError as exc:
+            raise ConfigError(f"{MEMORY_LIMIT_ENV}: {exc}") from exc
+        free = min(free, cap)
+    return max(free, 0)
+
+
+def _cgroup_room(root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """What the process's cgroup (v2, else v1) still lets it allocate; None where it sets no limit."""
+    for limit_file, usage_file in (("memory.max", "memory.current"),
+                                   ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+        try:
+            limit = (root / limit_file).read_text().strip()
+            usage = int((root / usage_file).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit() and int(limit) < 2**60:  # "max" or a v1 "unlimited" near 2^63: no limit
+            return int(limit) - usage
+    return None
+
+
+def choose_dtype(requested: str, num_weights: int, kv_bytes: int | None, available: int, native: set[str],
+                 on_gpu: bool, name: str) -> str:
+    """The dtype to load a model of num_weights parameters in. requested: "auto" or a dtype; kv_bytes: the KV
+    cache's size where given (None: it takes what is left, at least MIN_KV_BYTES); available: free bytes (on a
+    GPU its memory is sized elsewhere: auto is bfloat16 there); native: the low-precision dtypes this CPU
+    computes natively. ConfigError with the numbers where nothing fits."""
+    if on_gpu:
+        return "bfloat16" if requested == "auto" else requested
+    kv = kv_bytes if kv_bytes is not None else MIN_KV_BYTES
+
+    def fits(dtype: str) -> bool:
+        return num_weights * DTYPE_BYTES[dtype] + kv + CPU_HEADROOM_BYTES <= available
+
+    if requested != "auto":
+        if fits(requested):
+            return requested
+        smaller = requested == "float32" and "bfloat16" in native and fits("bfloat16")
+        hint = "; --dtype bfloat16 (or auto) fits" if smaller else ""
+        raise ConfigError(f"{name} does not fit in {requested}: {_numbers(num_weights, requested, kv, available)}"
+                          f"{hint}")
+    if fits("float32"):
+        return "float32"
+    if "bfloat16" in native and fits("bfloat16"):
+        return "bfloat16"
+    tried = "float32 or bfloat16" if "bfloat16" in native else "float32 (and this CPU has no native bfloat16)"
+    raise ConfigError(f"{name} fits in no dtype this machine runs, {tried}: "
+                      f"{_numbers(num_weights, 'bfloat16' if 'bfloat16' in native else 'float32', kv, available)}; "
+                      f"free memory, lower --kv-cache-memory, or use a smaller model")
+
+
+def _numbers(num_weights: int, dtype: str, kv: int, available: int) -> str:
+    return (f"its {num_weights / 1e9:.2f} B weights take {format_size(num_weights * DTYPE_BYTES[dtype])} in {dtype}, "
+            f"the KV cache {format_size(kv)} and activations about {format_size(CPU_HEADROOM_BYTES)}, and "
+            f"{format_size(available)} of memory is free")
+
+
+def native_dtypes() -> set[str]:
+    """The low-precision dtypes this CPU computes natively (cpu/machine.py reads its flags)."""
+    from bulkgen.engine.cpu.machine import native_dtype_problem
+
+    return {d for d in ("bfloat16", "float16") if native_dtype_problem(d) is None}
+
+
+def dtype_for(requested: str, model_dir: Path, kv_bytes: int | None, on_gpu: bool) -> str:
+    """choose_dtype for a model directory, its weights counted from their safetensors headers (else estimated
+    from its config)."""
+    from bulkgen.model import ModelShape, estimated_weight_count, read_config, weight_count
+
+    num_weights = weight_count(model_dir)
+    if num_weights is None:
+        num_weights = estimated_weight_count(ModelShape.of(read_config(model_dir)))
+    return choose_dtype(requested, num_weights, kv_bytes, available_memory(), native_dtypes(), on_gpu,
+                        Path(model_dir).name)

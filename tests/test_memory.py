@@ -1,0 +1,81 @@
+"""Weights that fit: --dtype auto loads float32 where the model fits beside its KV cache, else bfloat16 where the
+CPU computes it natively, and refuses with the numbers, before loading anything, where nothing fits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from bulkgen.engine.memory import CPU_HEADROOM_BYTES, MEMORY_LIMIT_ENV, available_memory, choose_dtype, native_dtypes
+from bulkgen.errors import ConfigError
+from bulkgen.model import ModelShape, estimated_weight_count, read_config, weight_count
+from tests.helpers import invoke, invoke_json, write_parquet
+from tests.test_model_families import tiny_model
+
+GIB = 2**30
+EIGHT_B = 8_030_000_000  # Llama-3.1-8B's weights
+
+
+def test_auto_takes_float32_where_it_fits_and_bfloat16_where_only_that_fits() -> None:
+    both = {"bfloat16"}
+    assert choose_dtype("auto", 135_000_000, None, 8 * GIB, both, False, "m") == "float32"
+    # an 8B model on a 24 GiB machine: 32 GB in float32 does not fit, 16 GB in bfloat16 does
+    assert choose_dtype("auto", EIGHT_B, 2 * GIB, 22 * GIB, both, False, "m") == "bfloat16"
+    assert choose_dtype("auto", EIGHT_B, None, 64 * GIB, both, False, "m") == "float32"
+    assert choose_dtype("auto", EIGHT_B, None, 4 * GIB, both, True, "m") == "bfloat16"  # a GPU: its own sizing
+
+
+def test_what_fits_in_no_dtype_is_refused_with_the_numbers() -> None:
+    with pytest.raises(ConfigError, match=r"fits in no dtype.*8\.03 B weights take 15\.0 GiB in bfloat16.*"
+                                          r"KV cache 2\.0 GiB.*12\.0 GiB of memory is free"):
+        choose_dtype("auto", EIGHT_B, 2 * GIB, 12 * GIB, {"bfloat16"}, False, "llama-8b")
+    with pytest.raises(ConfigError, match="no native bfloat16.*29.9 GiB in float32"):
+        choose_dtype("auto", EIGHT_B, 2 * GIB, 22 * GIB, set(), False, "llama-8b")  # an AVX2-only CPU
+    with pytest.raises(ConfigError, match=r"does not fit in float32.*--dtype bfloat16 \(or auto\) fits"):
+        choose_dtype("float32", EIGHT_B, 2 * GIB, 22 * GIB, {"bfloat16"}, False, "llama-8b")
+    assert choose_dtype("bfloat16", EIGHT_B, 2 * GIB, 22 * GIB, {"bfloat16"}, False, "m") == "bfloat16"
+
+
+def test_weights_are_counted_from_the_safetensors_headers(tmp_path: Path, default_model_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tiny_model(tmp_path / "m", default_model_dir, "Qwen3Config", head_dim=16)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    assert weight_count(model_dir) == sum(p.numel() for p in model.parameters())
+    estimate = estimated_weight_count(ModelShape.of(read_config(model_dir)))
+    assert abs(estimate - weight_count(model_dir)) < 0.02 * weight_count(model_dir)
+    assert weight_count(tmp_path) is None
+
+
+def test_the_memory_limit_caps_what_counts_as_free(monkeypatch: pytest.MonkeyPatch) -> None:
+    free = available_memory()
+    assert 0 < free
+    monkeypatch.setenv(MEMORY_LIMIT_ENV, "1GiB")
+    assert available_memory() == min(free, GIB) or available_memory() <= GIB
+    monkeypatch.setenv(MEMORY_LIMIT_ENV, "lots")
+    with pytest.raises(ConfigError, match=MEMORY_LIMIT_ENV):
+        available_memory()
+
+
+def test_a_model_too_big_for_float32_here_runs_in_bfloat16_or_is_refused(tmp_path: Path, db_url: str,
+                                                                          default_model_dir: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the CLI, with free memory capped between the model's bfloat16 and float32 needs: auto runs it in
+    bfloat16 where the CPU computes that natively, else refuses it (exit 2) with the numbers, nothing claimed."""
+    model_dir = tiny_model(tmp_path / "m", default_model_dir, "LlamaConfig")
+    weights = weight_count(model_dir)
+    kv = 4 * 2**20
+    monkeypatch.setenv(MEMORY_LIMIT_ENV, str(CPU_HEADROOM_BYTES + kv + 3 * weights))  # bf16 needs 2x, f32 4x
+    data = write_parquet(tmp_path / "rows.parquet", {"prompt": ["Hello", "Hi there"]})
+    job = invoke_json("submit", data, "--model", model_dir, "--max-new-tokens", 4)["job_id"]
+    if "bfloat16" in native_dtypes():
+        run = invoke("run", job, "--kv-cache-memory", kv, "--no-progress")
+        assert "bfloat16" in run.output
+        assert invoke_json("status", job)["counts"]["completed"] == 2
+    else:
+        run = invoke("run", job, "--kv-cache-memory", kv, "--no-progress", expect=2)
+        assert "fits in no dtype" in run.output and "no native bfloat16" in run.output
+        assert invoke_json("status", job)["counts"]["pending"] == 2, "nothing claimed"
+    assert torch.get_default_dtype() == torch.float32
