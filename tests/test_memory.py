@@ -36,6 +36,8 @@ def test_what_fits_in_no_dtype_is_refused_with_the_numbers() -> None:
     with pytest.raises(ConfigError, match=r"does not fit in float32.*--dtype bfloat16 \(or auto\) fits"):
         choose_dtype("float32", EIGHT_B, 2 * GIB, 22 * GIB, {"bfloat16"}, False, "llama-8b")
     assert choose_dtype("bfloat16", EIGHT_B, 2 * GIB, 22 * GIB, {"bfloat16"}, False, "m") == "bfloat16"
+    with pytest.raises(ConfigError, match="a KV cache of 30.0 GiB does not fit.*lower --kv-cache-memory"):
+        choose_dtype("auto", 1000, 30 * GIB, 22 * GIB, {"bfloat16"}, False, "tiny")
 
 
 def test_weights_are_counted_from_the_safetensors_headers(tmp_path: Path, default_model_dir: Path) -> None:

@@ -22,13 +22,13 @@ def test_default_model_resolves_and_tokenizes_offline(default_model_dir: Path) -
     # reach any hub.
     code = ("from bulkgen.resolve import *; from bulkgen.model import limits, load_tokenizer; "
             "p = resolve_model(DEFAULT_MODEL).path; tok = load_tokenizer(p); "
-            "print(tok('The capital of France')['input_ids'], *limits(p))")
+            "print(tok('The capital of France')['input_ids'], limits(p))")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HTTPS_PROXY": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9"}
     weights = default_model_dir / "model.safetensors"
     before = weights.stat().st_mtime_ns
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "[504, 3575, 282, 4649] 8192 None"
+    assert done.stdout.strip() == "[504, 3575, 282, 4649] 8192"
     assert "converting" not in done.stderr and weights.stat().st_mtime_ns == before, "no conversion again"
     tokenizer = load_tokenizer(default_model_dir)
     assert tokenizer.eos_token == "<|im_end|>" and tokenizer.chat_template
@@ -58,5 +58,5 @@ def test_unknown_and_broken_models(tmp_path: Path) -> None:
 def test_local_directory_is_used_in_place(tiny_model_dir: Path) -> None:
     resolved = resolve_model(str(tiny_model_dir))
     assert resolved.path == tiny_model_dir.resolve()
-    assert model_limits(resolved.path) == (2048, None)
+    assert model_limits(resolved.path) == 2048
     assert DEFAULT_MODEL == "smollm2-135m-instruct"

@@ -64,6 +64,10 @@ def choose_dtype(requested: str, num_weights: int, kv_bytes: int | None, availab
     computes natively. ConfigError with the numbers where nothing fits."""
     if on_gpu:
         return "bfloat16" if requested == "auto" else requested
+    if kv_bytes is not None and kv_bytes + CPU_HEADROOM_BYTES > available:  # whatever the weights' dtype
+        raise ConfigError(f"a KV cache of {format_size(kv_bytes)} does not fit: {format_size(available)} of memory "
+                          f"is free, and activations need about {format_size(CPU_HEADROOM_BYTES)} more; lower "
+                          "--kv-cache-memory")
     kv = kv_bytes if kv_bytes is not None else MIN_KV_BYTES
 
     def fits(dtype: str) -> bool:
