@@ -48,6 +48,20 @@ def decode_meta(k, v, tables, lens, max_len: int, **kernels) -> AttentionMetadat
                              decode_max_context_len=max_len, **kernels)
 
 
+def prefill_case(start: int, num_tokens: int, num_blocks: int, block_size: int, kv_heads: int, group: int,
+                 head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """A sequence of start + num_tokens random K/V in random blocks, and the chunk's queries: its block table,
+    positions, every position's slot, keys, values and query."""
+    total = start + num_tokens
+    table = torch.randperm(num_blocks)[:-(-total // block_size)].int()
+    positions = torch.arange(total)
+    slots_all = table[positions // block_size].long() * block_size + positions % block_size
+    keys = torch.randn(total, kv_heads, head_dim).to(dtype)
+    values = torch.randn(total, kv_heads, head_dim).to(dtype)
+    query = torch.randn(num_tokens, kv_heads * group, head_dim).to(dtype)
+    return table, positions, slots_all, keys, values, query
+
+
 def write_meta(k, v, slots, block_size: int, **rest) -> AttentionMetadata:
     """A step that writes the K/V of `slots` (and attends for `prefills`, if given): no decode rows."""
     return AttentionMetadata(k_caches=[k], v_caches=[v], slots=slots, slot_blocks=slots // block_size,
@@ -107,13 +121,8 @@ def test_prefill_through_kernel_matches_torch(build: str, dtype: torch.dtype, he
     counts that leave a partial tile."""
     torch.manual_seed(start + num_tokens + head_dim)
     kv_heads, group, num_blocks = 3, 3, 16
-    total = start + num_tokens
-    table = torch.randperm(num_blocks)[:-(-total // block_size)].int()
-    positions = torch.arange(total)
-    slots_all = table[positions // block_size].long() * block_size + positions % block_size
-    keys = torch.randn(total, kv_heads, head_dim).to(dtype)
-    values = torch.randn(total, kv_heads, head_dim).to(dtype)
-    query = torch.randn(num_tokens, kv_heads * group, head_dim).to(dtype)
+    table, positions, slots_all, keys, values, query = prefill_case(start, num_tokens, num_blocks, block_size,
+                                                                    kv_heads, group, head_dim, dtype)
     outs = []
     for library in (kernel(build), None):
         k = torch.zeros(num_blocks, *k_block_shape(kv_heads, head_dim, block_size, dtype), dtype=dtype)
@@ -206,13 +215,8 @@ def test_windows_softcaps_and_sinks_match_their_definition(build: str, dtype: to
         assert torch.allclose(got_torch[i:i + 1], want, atol=tolerance), (n, (got_torch[i] - want).abs().max())
     # prefill: chunks fresh and after cached tokens, through the C kernel and through torch
     for start, num_tokens in ((0, 45), (13, 22), (40, 3), (0, 7)):
-        total = start + num_tokens
-        table = torch.randperm(num_blocks)[:-(-total // block_size)].int()
-        positions = torch.arange(total)
-        slots_all = table[positions // block_size].long() * block_size + positions % block_size
-        keys = torch.randn(total, kv_heads, head_dim).to(dtype)
-        values = torch.randn(total, kv_heads, head_dim).to(dtype)
-        query = torch.randn(num_tokens, kv_heads * group, head_dim).to(dtype)
+        table, positions, slots_all, keys, values, query = prefill_case(start, num_tokens, num_blocks, block_size,
+                                                                        kv_heads, group, head_dim, dtype)
         want = explicit_attention(query, keys, values, positions[start:], scale, layer).float()
         for library in (kernel(build), None):
             k = torch.zeros(num_blocks, *k_block_shape(kv_heads, head_dim, block_size, dtype), dtype=dtype)

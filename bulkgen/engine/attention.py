@@ -367,7 +367,7 @@ def mask_span(batch_size: int, cache_position: torch.Tensor | None = None, kv_le
     return MaskSpan(window=0 if first == 0 else far - first + 1)
 
 
-_PROBE_POSITION = 2**17  # windows this long or longer read as the whole context (a model's context is checked)
+_PROBE_POSITION = 2**20  # a window of a million tokens or more reads as the whole context
 
 
 @contextmanager
