@@ -81,3 +81,20 @@ def test_a_model_too_big_for_float32_here_runs_in_bfloat16_or_is_refused(tmp_pat
         assert "fits in no dtype" in run.output and "no native bfloat16" in run.output
         assert invoke_json("status", job)["counts"]["pending"] == 2, "nothing claimed"
     assert torch.get_default_dtype() == torch.float32
+
+
+def test_a_cgroups_limit_counts(tmp_path: Path) -> None:
+    """A container's memory limit (cgroup v2, else v1) caps what counts as free; "max" sets none."""
+    from bulkgen.engine.memory import _cgroup_room
+
+    (tmp_path / "memory.max").write_text("1073741824\n")
+    (tmp_path / "memory.current").write_text("73741824\n")
+    assert _cgroup_room(tmp_path) == 1_000_000_000
+    (tmp_path / "memory.max").write_text("max\n")
+    assert _cgroup_room(tmp_path) is None
+    v1 = tmp_path / "v1"
+    (v1 / "memory").mkdir(parents=True)
+    (v1 / "memory" / "memory.limit_in_bytes").write_text("2147483648\n")
+    (v1 / "memory" / "memory.usage_in_bytes").write_text("147483648\n")
+    assert _cgroup_room(v1) == 2_000_000_000
+    assert _cgroup_room(tmp_path / "none") is None
