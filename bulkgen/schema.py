@@ -34,7 +34,11 @@ class Schemas:
 
     def __init__(self, hf_tokenizer: Any, vocab_size: int) -> None:
         self.ll = require()
-        self.tokenizer = self.ll.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size)
+        try:
+            self.tokenizer = self.ll.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size)
+        except ValueError as exc:  # llguidance: "vocab size too small", where the model has fewer logits
+            raise ConfigError(f"JSON-schema outputs need a logit for every token of the tokenizer; the model has "
+                              f"{vocab_size} and its tokenizer {len(hf_tokenizer)} ({exc})") from exc
         self._grammars: dict[str, str] = {}
         self._errors: dict[str, str | None] = {}
 

@@ -11,7 +11,8 @@ import jsonschema
 import pyarrow.parquet as pq
 import pytest
 
-from bulkgen.store.models import Job
+from bulkgen.store.db import open_store
+from bulkgen.store.models import Job, Request
 from tests.helpers import count_rows, invoke, invoke_json, write_parquet
 
 # what is tested here is generation, not the store (whose tests run on both databases): SQLite alone
@@ -96,3 +97,23 @@ def test_openai_response_format(tmp_path: Path, db_url: str, tiny_model_dir: Pat
     if second["finish_reason"] == "stop":
         assert isinstance(json.loads(second["message"]["content"]), dict)
     assert "cannot be compiled" in out["broken"]["error"]["message"]
+
+
+def test_a_model_with_fewer_logits_than_its_tokenizer_fails_schema_rows_with_the_reason(
+        tmp_path: Path, db_url: str, default_model_dir: Path) -> None:
+    """llguidance needs a logit for each of the tokenizer's tokens: where the model has fewer, each constrained
+    row fails with that reason (it crashed the worker before), and the job ends."""
+    from tests.test_model_families import tiny_model
+
+    model_dir = tiny_model(tmp_path / "small-vocab", default_model_dir, "LlamaConfig", vocab_size=1024)
+    schema = tmp_path / "s.json"
+    schema.write_text('{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}')
+    data = write_parquet(tmp_path / "rows.parquet", {"prompt": ["Hi", "Hello"]})
+    job = invoke_json("submit", data, "--model", model_dir, "--max-new-tokens", 8, "--json-schema", schema)["job_id"]
+    invoke("run", job, "--kv-cache-memory", "4MiB", "--no-progress")
+    status = invoke_json("status", job)
+    assert status["counts"]["failed"] == 2
+    store = open_store(db_url)
+    with store.session_scope() as session:
+        errors = [r.error for r in session.query(Request).filter_by(job_id=job)]
+    assert all("the model has 1024 and its tokenizer 49152" in e for e in errors)
