@@ -43,6 +43,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from bulkgen.engine.block_manager import window_blocks
 from bulkgen.errors import ConfigError
 from bulkgen.store.packings import DEFAULT_PACKING, PACKINGS, SORT_KEYS
 
@@ -68,12 +69,13 @@ def check_packing(packing: str) -> None:
 
 def admission_for(packing: str, kv_admission: bool = True) -> Callable[[int, int], KVAdmission] | None:
     """What the engine takes at construction to admit by: None (blocks free now, as vLLM does), or the
-    projected-peak KV admission, built once the engine knows its cache (num_blocks, block_size); spreading
-    ends under lpt."""
+    projected-peak KV admission, built once the engine knows its cache (num_blocks, block_size, and the sliding
+    window of each group of layers: engine/block_manager.KVLayout); spreading ends under lpt."""
     check_packing(packing)
     if not kv_admission:
         return None
-    return lambda num_blocks, block_size: KVAdmission(num_blocks, block_size, spread_ends=packing == "lpt")
+    return lambda num_blocks, block_size, group_windows=(0,): KVAdmission(
+        num_blocks, block_size, spread_ends=packing == "lpt", group_windows=tuple(group_windows))
 
 
 @dataclass
@@ -90,6 +92,7 @@ class KVAdmission:
     lookahead: int = 64  # how far down the waiting queue the scheduler looks for a request that fits
     output_share: float = 1.0  # expected output / max_new_tokens, learned from finished requests
     spread_ends: bool = False  # reorder the queue's longer half so that ends are spread (lpt's refinement)
+    group_windows: tuple[int, ...] = (0,)  # per group of layers: its sliding window (0: full attention)
     _finished_budget: int = 0
     _finished_output: int = 0
 
@@ -100,7 +103,7 @@ class KVAdmission:
         # (tokens now, tokens still to come) of every sequence, the candidate included
         loads = [(s.num_tokens, self._remaining(s)) for s in running]
         loads.append((candidate.num_tokens, self._remaining(candidate)))
-        return peak_blocks(loads, self.block_size) <= capacity
+        return peak_blocks(loads, self.block_size, self.group_windows) <= capacity
 
     def earliest_start(self, blocked: Any, running: list[Any]) -> int:
         """Steps until `blocked` fits beside what is still running then (EASY backfilling's reservation)."""
@@ -109,7 +112,7 @@ class KVAdmission:
         head = (blocked.num_tokens, self._remaining(blocked))
         for step in sorted({0, *(remaining for _, remaining in loads)}):
             later = [(now + step, remaining - step) for now, remaining in loads if remaining > step]
-            if peak_blocks([*later, head], self.block_size) <= capacity:
+            if peak_blocks([*later, head], self.block_size, self.group_windows) <= capacity:
                 return step
         return loads[-1][1] if loads else 0
 
@@ -154,14 +157,22 @@ class KVAdmission:
         return max(0, expected - seq.num_output_tokens)
 
 
-def peak_blocks(loads: list[tuple[int, int]], block_size: int) -> int:
+def peak_blocks(loads: list[tuple[int, int]], block_size: int, group_windows: tuple[int, ...] = (0,)) -> int:
     """Peak number of blocks held in the future by sequences that each hold `now` tokens, grow one token
-    a step for `remaining` steps, then free everything.
-
-    The total only falls when a sequence finishes, so the peak is at step 0 or just before a finish:
-    at step t, sum over the sequences still running (remaining >= t) of blocks(now + t)."""
+    a step for `remaining` steps, then free everything; summed over the groups of layers, each with its own
+    block table (a sliding group holds at most its window's blocks a sequence: counted at that most)."""
     if not loads:
         return 0
+    full = sum(1 for window in group_windows if not window)
+    most = [-(-(now + remaining) // block_size) for now, remaining in loads]
+    sliding = sum(sum(min(m, window_blocks(window, block_size)) for m in most) for window in group_windows if window)
+    return full * _full_peak(loads, block_size) + sliding
+
+
+def _full_peak(loads: list[tuple[int, int]], block_size: int) -> int:
+    """peak_blocks for one group of full attention. The total only falls when a sequence finishes, so the peak
+    is at step 0 or just before a finish: at step t, sum over the sequences still running (remaining >= t) of
+    blocks(now + t)."""
     by_remaining = sorted(loads, key=lambda load: load[1])
     # Evaluate at t = each sequence's last step; only sequences with remaining >= t still hold blocks.
     suffix_tokens = 0

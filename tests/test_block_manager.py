@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from bulkgen.config import SamplingParams
-from bulkgen.engine.block_manager import BlockManager
+from bulkgen.engine.block_manager import BlockManager, KVLayout
 from bulkgen.engine.sequence import Sequence
 
 
@@ -58,7 +58,7 @@ def test_prefix_cache_shares_full_blocks_with_reference_counts() -> None:
     assert len(a.block_hashes) == 2  # blocks 0 and 1 are full; block 2 holds 2 tokens
     b = Sequence(2, list(range(100, 108)) + [7, 7, 7], SamplingParams())  # same first 8 tokens
     cached = bm.find_cached_prefix(b)
-    assert cached == [0, 1]
+    assert cached.tables == [[0, 1]]
     assert bm.num_blocks_needed(b, 3, cached) == 1
     bm.allocate(b, 3, cached)
     assert b.block_table == [0, 1, 3] and b.num_computed_tokens == 8
@@ -69,9 +69,10 @@ def test_prefix_cache_shares_full_blocks_with_reference_counts() -> None:
     bm.free(b)
     # Freed full blocks stay findable until they are handed out again.
     c = seq(9)
-    assert bm.find_cached_prefix(c) == [0, 1]
+    cached = bm.find_cached_prefix(c)
+    assert cached.tables == [[0, 1]]
     # A cached block that is free counts against the free list when taken.
-    assert bm.num_blocks_needed(c, 1, [0, 1]) == 3
+    assert bm.num_blocks_needed(c, 1, cached) == 3
 
 
 def test_a_cached_block_is_forgotten_when_reused() -> None:
@@ -85,7 +86,7 @@ def test_a_cached_block_is_forgotten_when_reused() -> None:
     other = seq(8, first=900)
     bm.allocate(other, 8)  # takes 1 then 0: block 0's old contents are gone
     assert other.block_table == [1, 0]
-    assert bm.find_cached_prefix(seq(5)) == []
+    assert not bm.find_cached_prefix(seq(5))
 
 
 def test_cached_prefix_always_leaves_a_token_to_compute() -> None:
@@ -94,8 +95,8 @@ def test_cached_prefix_always_leaves_a_token_to_compute() -> None:
     bm.allocate(a, 8)
     a.num_computed_tokens = 8
     bm.cache_full_blocks(a)
-    assert bm.find_cached_prefix(seq(8)) == [0]  # not both: the last token's logits are needed
-    assert bm.find_cached_prefix(seq(9)) == [0, 1]
+    assert bm.find_cached_prefix(seq(8)).tables == [[0]]  # not both: the last token's logits are needed
+    assert bm.find_cached_prefix(seq(9)).tables == [[0, 1]]
 
 
 def test_prefix_caching_off() -> None:
@@ -104,4 +105,64 @@ def test_prefix_caching_off() -> None:
     bm.allocate(a, 8)
     a.num_computed_tokens = 8
     bm.cache_full_blocks(a)
-    assert bm.find_cached_prefix(seq(9)) == []
+    assert not bm.find_cached_prefix(seq(9))
+
+
+def test_layers_are_grouped_by_how_they_attend() -> None:
+    """Gemma 3 1B's pattern (a full layer after five sliding ones, 26 layers): groups of the fewest of a kind (4
+    full layers), the sliding kind in six groups of four (the last with two empty places)."""
+    windows = tuple(0 if (i + 1) % 6 == 0 else 512 for i in range(26))
+    layout = KVLayout.of(26, windows)
+    assert layout.group_size == 4 and layout.group_windows == (0,) + (512,) * 6
+    assert [layout.layer_groups[i] for i in (5, 11, 17, 23)] == [0] * 4
+    assert [layout.layer_places[i] for i in (5, 11, 17, 23)] == [0, 1, 2, 3]
+    assert layout.layer_groups[:5] == (1, 1, 1, 1, 2) and layout.layer_groups[24:] == (6, 6)
+    assert len({(g, p) for g, p in zip(layout.layer_groups, layout.layer_places, strict=True)}) == 26
+    assert KVLayout.of(4, (8, 8, 8, 8)).group_windows == (8,)  # all alike: one group, as without windows
+    assert KVLayout.of(4).group_windows == (0,) and KVLayout.of(4).group_size == 4
+    assert KVLayout.of(4, (128, 0, 128, 0)).group_windows == (0, 128)  # gpt-oss: every other layer slides
+
+
+def sliding_manager(num_blocks: int = 16) -> BlockManager:
+    """One full group and one sliding over a window of 8 tokens, in blocks of 4."""
+    return BlockManager(num_blocks, block_size=4, layout=KVLayout.of(2, (0, 8)), null_block=num_blocks)
+
+
+def test_a_sliding_group_gives_back_the_blocks_its_window_has_passed() -> None:
+    bm = sliding_manager()
+    a = seq(20)
+    bm.allocate(a, 20)
+    assert [len(t) for t in a.block_tables] == [5, 5] and bm.num_free_blocks == 6
+    a.num_computed_tokens = 20
+    bm.free_outside_windows(a)
+    # the token at position 20 sees 13..20: blocks 0-2 (positions 0..11) are out of its window, block 3 (12..15) not
+    assert a.block_tables[1][:4] == [16, 16, 16, a.block_tables[1][3]] and a.block_tables[0] == [0, 1, 2, 3, 4]
+    assert bm.num_free_blocks == 9
+    a.num_computed_tokens = 23  # sees 16..23: block 3 goes too
+    bm.free_outside_windows(a)
+    assert a.block_tables[1][3] == 16 and bm.num_free_blocks == 10
+    bm.free(a)
+    assert bm.num_free_blocks == 16 and bm.ref_counts == [0] * 16
+
+
+def test_a_cached_prefix_needs_only_the_window_of_a_sliding_group() -> None:
+    bm = sliding_manager()
+    a = seq(16)
+    bm.allocate(a, 16)
+    a.num_computed_tokens = 16
+    bm.cache_full_blocks(a)
+    full, sliding = (list(t) for t in a.block_tables)
+    bm.free_outside_windows(a)  # position 16 sees 9..16: sliding blocks 0 and 1 are given back (still cached)
+    b = seq(17)  # the same 16 tokens and one more
+    cached = bm.find_cached_prefix(b)
+    assert len(cached) == 4 and cached.tables == [full, [16, 16] + sliding[2:]]
+    assert bm.num_blocks_needed(b, 1, cached) == 2  # one more block a group
+    # once a sliding block inside the window is reused, that prefix is gone; a shorter one may still be whole
+    bm.free(a)
+    other = seq(4, first=900)
+    while sliding[3] not in other.block_table:
+        bm.free(other)
+        bm._free.move_to_end(sliding[3], last=False)
+        bm.allocate(other, 4)
+    cached = bm.find_cached_prefix(b)
+    assert len(cached) == 3 and cached.tables == [full[:3], [16] + sliding[1:3]]  # position 12 sees 5..12

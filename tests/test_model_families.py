@@ -88,12 +88,16 @@ def _hf(name: str, model_dir: Path, workload: list[tuple[list[int], int]]) -> li
 
 
 def _run(model_dir: Path, workload: list[tuple[list[int], int]], **config) -> tuple[list[list[int]], Engine]:
-    """The workload's greedy outputs through one engine: all but the last request, then the last alone (which
-    shares its prefix with the one before it: cached blocks to take)."""
+    """The workload's greedy outputs through one engine: all but the last two requests, then the one before last
+    alone, then the last alone (which shares its prefix with the one before it: cached blocks to take; alone,
+    since a sliding layer's blocks are given back as its window passes and, once reused, cannot be taken)."""
     engine = Engine(model_dir, EngineConfig(block_size=16, max_num_batched_tokens=20, enable_prefix_caching=True,
                                             **config))
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for _, n in workload]
-    got = list(engine.generate([p for p, _ in workload[:-1]], params[:-1]))
+    got = list(engine.generate([p for p, _ in workload[:-2]], params[:-2]))
+    engine.add(len(workload) - 2, workload[-2][0], params[-2])
+    while engine.has_unfinished():
+        got.extend(engine.step())
     engine.add(len(workload) - 1, workload[-1][0], params[-1])
     computed = engine.stats.num_prompt_tokens_computed
     while engine.has_unfinished():
@@ -125,6 +129,30 @@ def test_each_family_equals_hf_generate_on_the_triton_path(family_dirs: dict[str
     got, _ = _run(family_dirs[family], workload, kv_cache_memory=_kv_bytes(family_dirs[family], 12),
                   attention_backend="triton")
     assert got == want
+
+
+def test_sliding_layers_hold_kv_for_their_window_only(tmp_path: Path, default_model_dir: Path) -> None:
+    """A Gemma-3-shaped model (five sliding layers to one full) in a KV cache of 24 blocks of every layer's K/V:
+    a 100-token request needs 7 blocks of them, so 3 would run at once if every layer held the whole context;
+    sliding layers holding their window only (3 blocks of 16 for 24 tokens), 6 run at once, admitted by the
+    packer's projection without a preemption, with Hugging Face's outputs."""
+    from bulkgen.packing import admission_for
+
+    model_dir = tiny_model(tmp_path / "gemma3", default_model_dir, "Gemma3TextConfig", head_dim=16,
+                           sliding_window=WINDOW, num_hidden_layers=6,
+                           layer_types=["sliding_attention"] * 5 + ["full_attention"])
+    rng = random.Random(1)
+    workload = [([rng.randrange(100, 40000) for _ in range(20)], 80) for _ in range(10)]
+    engine = Engine(model_dir, EngineConfig(block_size=16, kv_cache_memory=_kv_bytes(model_dir, 24)),
+                    admission=admission_for("sorted"))
+    assert engine.runner.layout.group_windows == (0,) + (WINDOW,) * 5
+    engine.stats.keep_steps = True
+    got = engine.generate([p for p, _ in workload], [SamplingParams(max_new_tokens=n, ignore_eos=True)
+                                                     for _, n in workload])
+    got = [o.output_token_ids for o in sorted(got, key=lambda o: o.request_id)]
+    assert got == hf_greedy(model_dir, workload, exact_length=True)
+    assert max(step.num_seqs for step in engine.stats.steps) == 6 and engine.stats.num_preemptions == 0
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks  # all given back
 
 
 def _kv_bytes(model_dir: Path, num_blocks: int) -> int:

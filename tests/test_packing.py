@@ -43,6 +43,14 @@ def test_peak_blocks_is_at_a_finish() -> None:
     assert peak_blocks([], 16) == 0
 
 
+def test_peak_blocks_counts_a_sliding_group_at_its_window() -> None:
+    """A full group and two sliding ones (window 24 in blocks of 16: at most 3 blocks a sequence)."""
+    groups = (0, 24, 24)
+    assert peak_blocks([(10, 90)], 16, groups) == peak_blocks([(10, 90)], 16) + 2 * 3
+    assert peak_blocks([(10, 6)], 16, groups) == 2 + 2 * 1  # short: a sliding group holds what a full one does
+    assert peak_blocks([(10, 90)], 16, (24,)) == 3  # every layer slides
+
+
 def _seq(request_id: int, prompt: int, max_new: int) -> Sequence:
     return Sequence(request_id, list(range(prompt)), SamplingParams(max_new_tokens=max_new, ignore_eos=True))
 

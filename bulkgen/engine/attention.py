@@ -153,6 +153,10 @@ class AttentionMetadata:
     write_kernel: Kernels | None = None
     num_threads: int = 1
     triton: TritonStep | None = None  # set where attention and the KV write run in Triton (a GPU)
+    # Where layers hold their K/V in groups (block_manager.KVLayout): each group's slots and block tables, and each
+    # layer's group; a layer's attention reads its own group's metadata
+    groups: list[AttentionMetadata] | None = None
+    layer_groups: tuple[int, ...] = ()
 
 
 @dataclass
@@ -226,6 +230,8 @@ def attend(meta: AttentionMetadata, layer: int, query: torch.Tensor, key: torch.
     its window from meta.windows, nothing else)."""
     if spec is None:
         spec = LayerAttention(window=meta.windows[layer]) if meta.windows and meta.windows[layer] else FULL
+    if meta.layer_groups:
+        meta = meta.groups[meta.layer_groups[layer]]
     k_cache, v_cache = meta.k_caches[layer], meta.v_caches[layer]
     if meta.triton is not None:
         return _attend_triton(meta.triton, query, key, value, k_cache, v_cache, scale, spec)

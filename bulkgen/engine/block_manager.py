@@ -8,27 +8,109 @@ of every token before it. A later sequence with the same prefix takes those bloc
 +1) instead of computing them again. A freed block keeps its contents and its hash until it is
 handed out again, so the free list doubles as an LRU cache: blocks are handed out from its front,
 and freed blocks join its back (a sequence's tail first, since tails are the least shared).
+
+Layers that attend differently hold their K/V in groups (KVLayout, after vLLM's hybrid KV cache
+manager): a block of the pool holds one block of tokens for each of a group's layers, and a sequence
+has a block table per group. A sliding-window group gives back the blocks that fell out of the
+sequence's window as it goes (their entries then name the null block, which no kernel reads unmasked), so a
+model whose layers mostly slide holds little more than its window for them. The prefix cache is per group
+too: a cached prefix is taken only where every group still holds what the next token attends to.
 """
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
-from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 
 from bulkgen.engine.sequence import Sequence
 
 
+@dataclass(frozen=True)
+class KVLayout:
+    """Which layers share a block table. Layers of one kind (full attention, or one sliding window) are
+    grouped `group_size` at a time, the fewest of any kind (a group of a kind with fewer layers left has
+    empty places): so every block of the one pool is the same size, and a sequence has one table a group."""
+
+    group_windows: tuple[int, ...]  # per group: its layers' sliding window (0: the whole context)
+    layer_groups: tuple[int, ...]  # per layer: its group
+    layer_places: tuple[int, ...]  # per layer: its place within its group's blocks
+    group_size: int
+
+    @classmethod
+    def of(cls, num_layers: int, windows: tuple[int, ...] = ()) -> KVLayout:
+        """windows: each layer's sliding window (0 or none given: full attention)."""
+        windows = windows or (0,) * num_layers
+        kinds: dict[int, list[int]] = {}
+        for layer, window in enumerate(windows):
+            kinds.setdefault(window, []).append(layer)
+        size = min(len(layers) for layers in kinds.values())
+        group_windows: list[int] = []
+        layer_groups = [0] * num_layers
+        layer_places = [0] * num_layers
+        for window, layers in sorted(kinds.items()):  # full attention first
+            first = len(group_windows)
+            group_windows.extend([window] * math.ceil(len(layers) / size))
+            for i, layer in enumerate(layers):
+                layer_groups[layer], layer_places[layer] = first + i // size, i % size
+        return cls(tuple(group_windows), tuple(layer_groups), tuple(layer_places), size)
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.group_windows)
+
+    @property
+    def num_full_groups(self) -> int:
+        return sum(1 for window in self.group_windows if not window)
+
+    @property
+    def slides(self) -> bool:
+        return any(self.group_windows)
+
+
+FULL_LAYOUT = KVLayout((0,), (), (), 0)  # one group: every layer attends to the whole context
+
+
+@dataclass(frozen=True)
+class CachedPrefix:
+    """The longest prefix of a sequence that the cache holds for every group: `len` full blocks of tokens."""
+
+    tables: list[list[int]]  # per group, the blocks taken (the null block before a sliding group's window)
+    hashes: list[int]
+
+    def __len__(self) -> int:
+        return len(self.hashes)
+
+
+NO_PREFIX = CachedPrefix([], [])
+
+
+def window_blocks(window: int, block_size: int) -> int:
+    """The most blocks that `window` consecutive positions can touch."""
+    return -(-(window - 1) // block_size) + 1
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 layout: KVLayout = FULL_LAYOUT, null_block: int | None = None) -> None:
+        """null_block: what a sliding group's table names for a block given back (past the blocks sequences may
+        hold: the cache keeps it zero); needed where the layout slides."""
         assert num_blocks >= 1 and block_size >= 1
+        assert null_block is not None or not layout.slides, "a sliding layout needs a null block"
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.layout = layout
+        self.null_block = num_blocks if null_block is None else null_block
         self.ref_counts = [0] * num_blocks
-        self._hash: list[int | None] = [None] * num_blocks
+        self._key: list[tuple[int, int] | None] = [None] * num_blocks  # (group, prefix hash) a block is cached by
         self._tokens: list[tuple[int, ...] | None] = [None] * num_blocks
-        self._cached: dict[int, int] = {}  # prefix hash -> block id
+        self._cached: dict[tuple[int, int], int] = {}  # (group, prefix hash) -> block id
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+
+    @property
+    def num_groups(self) -> int:
+        return self.layout.num_groups
 
     @property
     def num_free_blocks(self) -> int:
@@ -46,61 +128,108 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def find_cached_prefix(self, seq: Sequence) -> list[int]:
-        """Blocks already holding the longest prefix of `seq` (always leaving one token to compute,
-        whose logits the sampler needs)."""
+    def most_blocks(self, num_tokens: int, chunk: int) -> int:
+        """The most blocks one sequence of up to `num_tokens` tokens holds at once, computing at most `chunk`
+        tokens a step (a sliding group holds its window and the chunk)."""
+        full = self.blocks_for(num_tokens)
+        return sum(full if not window else min(full, window_blocks(window + min(chunk, num_tokens), self.block_size))
+                   for window in self.layout.group_windows)
+
+    def find_cached_prefix(self, seq: Sequence) -> CachedPrefix:
+        """Blocks already holding the longest prefix of `seq` (always leaving one token to compute, whose
+        logits the sampler needs): every block of it for full-attention groups, and for sliding groups those
+        the first token computed attends to."""
         if not self.enable_prefix_caching:
-            return []
-        blocks: list[int] = []
+            return NO_PREFIX
+        bs, windows = self.block_size, self.layout.group_windows
+        hashes: list[int] = []
         prefix_hash: int | None = None
-        for i in range((seq.num_tokens - 1) // self.block_size):
-            tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+        for i in range((seq.num_tokens - 1) // bs):
+            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             prefix_hash = hash((prefix_hash, tokens))
-            block_id = self._cached.get(prefix_hash)
-            if block_id is None or self._tokens[block_id] != tokens:
+            if any(not window and self._lookup(g, prefix_hash, tokens) is None for g, window in enumerate(windows)):
                 break
-            blocks.append(block_id)
-        return blocks
+            hashes.append(prefix_hash)
+        for length in range(len(hashes), 0, -1):
+            tables = self._prefix_tables(seq, hashes, length)
+            if tables is not None:
+                return CachedPrefix(tables, hashes[:length])
+        return NO_PREFIX
 
-    def num_blocks_needed(self, seq: Sequence, num_new_tokens: int, cached_blocks: Seq[int] = ()) -> int:
+    def _prefix_tables(self, seq: Sequence, hashes: list[int], length: int) -> list[list[int]] | None:
+        bs = self.block_size
+        tables = []
+        for g, window in enumerate(self.layout.group_windows):
+            first = max(0, length * bs - window + 1) // bs if window else 0  # the first block position length*bs sees
+            table = [self.null_block] * first
+            for i in range(first, length):
+                block_id = self._lookup(g, hashes[i], tuple(seq.token_ids[i * bs:(i + 1) * bs]))
+                if block_id is None:
+                    return None
+                table.append(block_id)
+            tables.append(table)
+        return tables
+
+    def _lookup(self, group: int, prefix_hash: int, tokens: tuple[int, ...]) -> int | None:
+        block_id = self._cached.get((group, prefix_hash))
+        return None if block_id is None or self._tokens[block_id] != tokens else block_id
+
+    def num_blocks_needed(self, seq: Sequence, num_new_tokens: int, cached: CachedPrefix = NO_PREFIX) -> int:
         """Blocks taken from the free list if `seq` computes `num_new_tokens` more tokens."""
-        num_computed = len(cached_blocks) * self.block_size if cached_blocks else seq.num_computed_tokens
-        num_held = len(cached_blocks) if cached_blocks else len(seq.block_table)
-        new = max(0, self.blocks_for(num_computed + num_new_tokens) - num_held)
-        return new + sum(1 for b in cached_blocks if self.ref_counts[b] == 0)
+        num_computed = len(cached) * self.block_size if cached else seq.num_computed_tokens
+        num_held = len(cached) if cached else len(seq.block_table)
+        new = max(0, self.blocks_for(num_computed + num_new_tokens) - num_held) * self.num_groups
+        revived = sum(1 for table in cached.tables for b in table if b != self.null_block and self.ref_counts[b] == 0)
+        return new + revived
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: Seq[int] = ()) -> bool:
-        return self.num_blocks_needed(seq, num_new_tokens, cached_blocks) <= len(self._free)
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, cached: CachedPrefix = NO_PREFIX) -> bool:
+        return self.num_blocks_needed(seq, num_new_tokens, cached) <= len(self._free)
 
-    def allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: Seq[int] = ()) -> None:
-        """Give `seq` slots for `num_new_tokens` more tokens. With `cached_blocks` (a sequence being
-        admitted, holding no block), those come first and count as computed."""
-        assert self.can_allocate(seq, num_new_tokens, cached_blocks), "call can_allocate first"
-        if cached_blocks:
+    def allocate(self, seq: Sequence, num_new_tokens: int, cached: CachedPrefix = NO_PREFIX) -> None:
+        """Give `seq` slots for `num_new_tokens` more tokens. With `cached` (a sequence being admitted, holding no
+        block), those come first and count as computed."""
+        assert self.can_allocate(seq, num_new_tokens, cached), "call can_allocate first"
+        if len(seq.block_tables) != self.num_groups:
+            assert not seq.block_table, "a sequence's tables are laid out at its first allocation"
+            seq.block_tables = [[] for _ in range(self.num_groups)]
+        if cached:
             assert not seq.block_table, "a cached prefix is only taken at admission"
-            for block_id in cached_blocks:
-                if self.ref_counts[block_id] == 0:
-                    del self._free[block_id]
-                self.ref_counts[block_id] += 1
-                seq.block_table.append(block_id)
-                seq.block_hashes.append(self._hash[block_id])
-            seq.num_computed_tokens = len(cached_blocks) * self.block_size
-        for _ in range(self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)):
-            block_id, _ = self._free.popitem(last=False)
-            self._forget(block_id)
-            self.ref_counts[block_id] = 1
-            seq.block_table.append(block_id)
+            for table, blocks in zip(seq.block_tables, cached.tables, strict=True):
+                for block_id in blocks:
+                    if block_id != self.null_block:
+                        if self.ref_counts[block_id] == 0:
+                            del self._free[block_id]
+                        self.ref_counts[block_id] += 1
+                    table.append(block_id)
+            seq.block_hashes = list(cached.hashes)
+            seq.num_computed_tokens = len(cached) * self.block_size
+        for table in seq.block_tables:
+            for _ in range(self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(table)):
+                block_id, _ = self._free.popitem(last=False)
+                self._forget(block_id)
+                self.ref_counts[block_id] = 1
+                table.append(block_id)
 
     def free(self, seq: Sequence) -> None:
         """Release a sequence's blocks; full ones stay findable in the prefix cache until reused."""
-        for block_id in reversed(seq.block_table):
-            self.ref_counts[block_id] -= 1
-            assert self.ref_counts[block_id] >= 0
-            if self.ref_counts[block_id] == 0:
-                self._free[block_id] = None
-        seq.block_table = []
+        for table in seq.block_tables:
+            for block_id in reversed(table):
+                if block_id != self.null_block:
+                    self._release(block_id)
+        seq.block_tables = [[] for _ in range(self.num_groups)]
         seq.block_hashes = []
         seq.num_computed_tokens = 0
+
+    def free_outside_windows(self, seq: Sequence) -> None:
+        """Give back the blocks of each sliding group that the sequence's next token no longer attends to (the
+        query at position p sees p - window < k <= p)."""
+        for table, window in zip(seq.block_tables, self.layout.group_windows, strict=True):
+            if window:
+                i = max(0, seq.num_computed_tokens - window + 1) // self.block_size - 1
+                while i >= 0 and table[i] != self.null_block:  # those before were given back already
+                    self._release(table[i])
+                    table[i] = self.null_block
+                    i -= 1
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register the blocks that the last step filled, so later sequences can share them."""
@@ -110,16 +239,23 @@ class BlockManager:
         for i in range(len(seq.block_hashes), num_full):
             tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
             prefix_hash = hash((seq.block_hashes[-1] if seq.block_hashes else None, tokens))
-            block_id = seq.block_table[i]
-            if self._hash[block_id] is None:
-                self._hash[block_id] = prefix_hash
-                self._tokens[block_id] = tokens
-                self._cached.setdefault(prefix_hash, block_id)
+            for g, table in enumerate(seq.block_tables):
+                block_id = table[i]
+                if block_id != self.null_block and self._key[block_id] is None:
+                    self._key[block_id] = (g, prefix_hash)
+                    self._tokens[block_id] = tokens
+                    self._cached.setdefault((g, prefix_hash), block_id)
             seq.block_hashes.append(prefix_hash)
 
+    def _release(self, block_id: int) -> None:
+        self.ref_counts[block_id] -= 1
+        assert self.ref_counts[block_id] >= 0
+        if self.ref_counts[block_id] == 0:
+            self._free[block_id] = None
+
     def _forget(self, block_id: int) -> None:
-        prefix_hash = self._hash[block_id]
-        if prefix_hash is not None and self._cached.get(prefix_hash) == block_id:
-            del self._cached[prefix_hash]
-        self._hash[block_id] = None
+        key = self._key[block_id]
+        if key is not None and self._cached.get(key) == block_id:
+            del self._cached[key]
+        self._key[block_id] = None
         self._tokens[block_id] = None

@@ -27,7 +27,7 @@ class Engine:
     def __init__(self, model: str | Path | torch.nn.Module, config: EngineConfig | None = None,
                  tokenizer: Any = None,
                  admission: Callable[[int, int], AdmissionPolicy] | None = None) -> None:
-        """admission: builds the admission policy from the KV cache's (num_blocks, block_size), e.g.
+        """admission: builds the admission policy from the KV cache's (num_blocks, block_size, group_windows), e.g.
         packing.admission_for(packing); None admits whatever has blocks now."""
         self.config = config or EngineConfig()
         self.runner = ModelRunner(model, self.config)
@@ -38,11 +38,13 @@ class Engine:
         context = context_length(hf_config, str(hf_config._name_or_path or type(self.runner.model).__name__))
         self.max_model_len = min(self.config.max_model_len or context, context)
         self.runner.limit_context(self.max_model_len)
+        layout = self.runner.layout
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
-                                          self.config.enable_prefix_caching)
+                                          self.config.enable_prefix_caching, layout, self.runner.kv.null_block)
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens,
                                    None if admission is None else admission(self.runner.num_blocks,
-                                                                            self.config.block_size))
+                                                                            self.config.block_size,
+                                                                            layout.group_windows))
         self.eos_token_ids = _eos_ids(self.runner.model, self.tokenizer)
         self.stats = EngineStats()
         self._seqs: dict[Any, Sequence] = {}
@@ -59,8 +61,11 @@ class Engine:
         runner = self.runner
         name = Path(str(runner.model.config._name_or_path)).name or type(runner.model).__name__
         paths = f" · {runner.paths.short()}" if runner.device.type == "cpu" else ""
+        layout = runner.layout
+        windows = sorted({w for w in layout.group_windows if w})
+        sliding = f"; sliding layers hold their window of {', '.join(map(str, windows))}" if windows else ""
         return (f"model {name} · {self.config.dtype} on {runner.device}{paths} · KV cache "
-                f"{format_size(runner.kv_cache_bytes)} ({runner.max_num_tokens:,} tokens)")
+                f"{format_size(runner.kv_cache_bytes)} ({runner.max_num_tokens:,} tokens{sliding})")
 
     def add(self, request_id: Any, prompt_token_ids: list[int], params: SamplingParams | None = None) -> None:
         """Queue a request. Raises PromptTooLongError if it cannot fit the model or the KV cache."""
@@ -74,7 +79,7 @@ class Engine:
             raise PromptTooLongError(f"the prompt has {num_prompt} tokens; the model's context is "
                                      f"{self.max_model_len} tokens, which must also hold the output")
         needed = min(num_prompt + params.max_new_tokens, self.max_model_len)
-        if self.block_manager.blocks_for(needed) > self.block_manager.num_blocks:
+        if self.block_manager.most_blocks(needed, self.config.max_num_batched_tokens) > self.block_manager.num_blocks:
             raise PromptTooLongError(f"the request needs up to {needed} tokens of KV cache; the cache holds "
                                      f"{self.runner.max_num_tokens}: raise --kv-cache-memory")
         seq = Sequence(request_id, list(prompt_token_ids), params)

@@ -1,7 +1,10 @@
 """The paged KV cache: sized from a byte budget (`--kv-cache-memory`, or a share of the memory that is
 free), allocated once and never grown (invariant 2).
 
-    kv      [K|V, layer, block, kv_head, row, head_dim]
+    kv      [K|V, place, block, kv_head, row, head_dim]
+
+A block holds its tokens for each layer of one group (block_manager.KVLayout: for a model whose layers all
+attend alike, every layer; else `group_size` layers of one kind), a layer at its place within the group.
 
 Head-major blocks keep one head's part of a block contiguous, which is how decode attention reads them;
 for the CPU kernels K is stored transposed within its block ([head_dim, row], dims in pairs for 2-byte
@@ -16,6 +19,7 @@ import torch
 
 from bulkgen.config import EngineConfig, format_size
 from bulkgen.engine import attention
+from bulkgen.engine.block_manager import KVLayout
 from bulkgen.engine.memory import CPU_HEADROOM_BYTES, available_memory
 from bulkgen.errors import ConfigError
 from bulkgen.model import ModelShape
@@ -26,32 +30,41 @@ MIN_KV_BLOCKS = 4
 
 
 class KVCache:
-    """K and V of every layer in blocks of block_size tokens; `num_scratch_blocks` more that no sequence
-    owns (CUDA graphs pad decode steps with rows that write there)."""
+    """K and V of every layer in blocks of block_size tokens, laid out by `layout`; past the blocks sequences may
+    hold, the null block (where the layout slides: named by a sliding group's table for a block given back, kept
+    zero) and `num_scratch_blocks` more that no sequence owns (CUDA graphs pad decode steps with rows that write
+    there)."""
 
     def __init__(self, shape: ModelShape, config: EngineConfig, dtype: torch.dtype, device: torch.device,
-                 num_scratch_blocks: int, transposed_k: bool) -> None:
+                 num_scratch_blocks: int, transposed_k: bool, layout: KVLayout | None = None) -> None:
         self.block_size = block_size = config.block_size
-        self.bytes_per_token = shape.kv_bytes_per_token(config.dtype)
+        self.layout = layout = layout or KVLayout.of(shape.num_layers)
+        self.bytes_per_token = shape.kv_bytes_per_token(config.dtype)  # every layer's
+        block_bytes = self.bytes_per_token * layout.group_size // shape.num_layers * block_size
         budget = kv_budget(config, device)
-        num_cache_blocks = budget // (self.bytes_per_token * block_size)
-        self.num_blocks = num_cache_blocks - num_scratch_blocks  # what sequences may hold
-        if self.num_blocks < MIN_KV_BLOCKS:
-            raise ConfigError(f"a KV cache of {format_size(budget)} holds {self.num_blocks} blocks of "
-                              f"{block_size} tokens ({self.bytes_per_token} bytes a token): too small to run "
-                              f"anything; give at least {MIN_KV_BLOCKS * block_size * self.bytes_per_token} "
-                              "bytes with --kv-cache-memory")
-        layers = (shape.num_layers, num_cache_blocks, shape.num_kv_heads, block_size, shape.head_dim)
-        self.tensor = zeros_on_huge_pages((2, *layers), dtype, device)
+        num_cache_blocks = budget // block_bytes
+        self.null_block = num_cache_blocks - num_scratch_blocks - int(layout.slides)
+        self.num_blocks = self.null_block  # what sequences may hold
+        self.scratch_block = self.null_block + int(layout.slides)
+        least = MIN_KV_BLOCKS * layout.num_groups
+        if self.num_blocks < least:
+            raise ConfigError(f"a KV cache of {format_size(budget)} holds {max(self.num_blocks, 0)} blocks of "
+                              f"{block_size} tokens ({block_bytes} bytes a block): too small to run anything; give "
+                              f"at least {(least + num_scratch_blocks + 1) * block_bytes} bytes with --kv-cache-memory")
+        places = (layout.group_size, num_cache_blocks, shape.num_kv_heads, block_size, shape.head_dim)
+        self.tensor = zeros_on_huge_pages((2, *places), dtype, device)
         self.num_bytes = self.tensor.numel() * self.tensor.element_size()
         k_block = attention.k_block_shape(shape.num_kv_heads, shape.head_dim, block_size, dtype,
                                           transposed=transposed_k)
-        self.k_caches = list(self.tensor[0].view(*layers[:2], *k_block))  # one a layer
-        self.v_caches = list(self.tensor[1])
+        k_places = self.tensor[0].view(*places[:2], *k_block)
+        self.k_caches = [k_places[place] for place in layout.layer_places]  # one a layer
+        self.v_caches = [self.tensor[1][place] for place in layout.layer_places]
 
     @property
     def max_num_tokens(self) -> int:
-        return self.num_blocks * self.block_size
+        """Tokens of context the cache holds for every layer that attends to the whole context (all layers'
+        where all slide)."""
+        return self.num_blocks * self.block_size // max(self.layout.num_full_groups, 1)
 
 
 def kv_budget(config: EngineConfig, device: torch.device) -> int:

@@ -19,12 +19,13 @@ import torch
 
 from bulkgen.config import DTYPES, EngineConfig, SamplingParams
 from bulkgen.engine import attention, llama, memory
+from bulkgen.engine.block_manager import KVLayout
 from bulkgen.engine.cpu.attention import kernel_layout
 from bulkgen.engine.cpu.machine import check_dtype_fits, keep_freed_memory
 from bulkgen.engine.cpu.ops import Ops
 from bulkgen.engine.cpu.paths import paths_for
 from bulkgen.engine.families import unsupported_features
-from bulkgen.engine.kv_cache import KVCache
+from bulkgen.engine.kv_cache import MIN_KV_BLOCKS, KVCache
 from bulkgen.engine.layers import pack_linears
 from bulkgen.engine.scheduler import ScheduledSeq
 from bulkgen.engine.sequence import Sequence
@@ -65,20 +66,32 @@ class ModelRunner:
         if self.use_triton and self.block_size < triton_min_block():
             raise ConfigError(f"the Triton kernels take KV blocks of at least {triton_min_block()} tokens (tensor-core "
                               f"tiles); got --block-size {self.block_size}")
+        self.decode_graphs = None  # built by limit_context, when graphs are on
+        self.use_graphs = False
+        self._calls: list[int] | None = None  # set while probing: the layers whose attention reached ours
+        self._mask_windows: dict[int, int] | None = None  # and the window each one's own mask gives
+        if self.forward is None:  # in a cache of a few blocks: the probe reads the windows the real one is laid out by
+            self._make_cache(KVLayout.of(self.shape.num_layers), MIN_KV_BLOCKS + 1)
+            self._probe()
+        # Layers that attend alike share block tables; a sliding group holds its window (block_manager.KVLayout)
+        self.layout = KVLayout.of(self.shape.num_layers, self.windows)
         # CUDA graphs pad decode steps with rows that write a scratch block no sequence owns (gpu/graphs.py)
         self.use_graphs = self._use_graphs()
+        self._make_cache(self.layout)
+
+    def _make_cache(self, layout: KVLayout, num_blocks: int | None = None) -> None:
+        """The KV cache (of num_blocks blocks where given, else of the configured budget) and what reads it."""
+        config = self.config
+        if num_blocks is not None:
+            bytes_per_block = self.shape.kv_bytes_per_token(config.dtype) * config.block_size
+            config = dataclasses.replace(config, kv_cache_memory=num_blocks * bytes_per_block)
         self.kv = KVCache(self.shape, config, self.dtype, self.device, num_scratch_blocks=int(self.use_graphs),
-                          transposed_k=not self.use_triton)
+                          transposed_k=not self.use_triton, layout=layout)
         self.num_blocks, self.kv_cache_bytes = self.kv.num_blocks, self.kv.num_bytes
         self._k_caches, self._v_caches = self.kv.k_caches, self.kv.v_caches
         # Whether prefill attention runs in our C kernel (it reads each chunk's context from the blocks itself)
         self.prefill_in_c = self.paths.c("prefill_attention") is not None \
             and kernel_layout(self._k_caches[0])
-        self.decode_graphs = None  # built by limit_context, when graphs are on
-        self._calls: list[int] | None = None  # set while probing: the layers whose attention reached ours
-        self._mask_windows: dict[int, int] | None = None  # and the window each one's own mask gives
-        if self.forward is None:
-            self._probe()
 
     def _probe(self) -> None:
         """Two tokens through the model's own modules at load, before any request is taken: every layer's
@@ -136,7 +149,8 @@ class ModelRunner:
             from bulkgen.engine.gpu.graphs import DecodeGraphs  # here: triton is optional
 
             self.decode_graphs = DecodeGraphs(
-                self.forward, self._k_caches, self._v_caches, scratch_block=self.num_blocks, block_size=self.block_size,
+                self.forward, self._k_caches, self._v_caches, scratch_block=self.kv.scratch_block,
+                block_size=self.block_size,
                 max_blocks_per_seq=-(-max_model_len // self.block_size), max_num_seqs=self.config.max_num_seqs,
                 num_kv_heads=self.shape.num_kv_heads, device=self.device, windows=self.windows)
 
@@ -150,6 +164,10 @@ class ModelRunner:
             log.warning("bulkgen: %s runs through Hugging Face's modules: decode steps run without CUDA graphs",
                         type(self.model).__name__)
             return False
+        if self.layout.num_groups > 1:
+            log.warning("bulkgen: %s's layers hold their K/V in %d groups (full and sliding-window attention): "
+                        "decode steps run without CUDA graphs", type(self.model).__name__, self.layout.num_groups)
+            return False
         return True
 
     @property
@@ -162,37 +180,17 @@ class ModelRunner:
         those whose computed tokens reach their known tokens this step."""
         decodes = [s for s in scheduled if s.num_new_tokens == 1]
         prefills = [s for s in scheduled if s.num_new_tokens > 1]
-        bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
         sample_rows: list[int] = []
         sampled: list[Sequence] = []
         for s in decodes:
-            seq = s.seq
-            pos = seq.num_computed_tokens
-            input_ids.append(seq.token_ids[pos])
-            positions.append(pos)
-            slots.append(seq.block_table[pos // bs] * bs + pos % bs)
-        chunks: list[attention.PrefillChunk] = []
+            input_ids.append(s.seq.token_ids[s.seq.num_computed_tokens])
+            positions.append(s.seq.num_computed_tokens)
         for s in prefills:
-            seq, start, n = s.seq, s.seq.num_computed_tokens, s.num_new_tokens
-            chunk = attention.PrefillChunk(offset=len(input_ids), num_tokens=n, start=start)
-            input_ids.extend(seq.token_ids[start:start + n])
+            start, n = s.seq.num_computed_tokens, s.num_new_tokens
+            input_ids.extend(s.seq.token_ids[start:start + n])
             positions.extend(range(start, start + n))
-            context_slots = _slots(seq.block_table, bs, 0, start + n)  # the chunk's and its context's
-            slots.extend(context_slots[start:].tolist())
-            if self.use_triton:
-                chunk.block_table = seq.block_table  # a list: gpu/step.py packs it with the rest
-            elif self.prefill_in_c:
-                chunk.block_table = torch.tensor(seq.block_table, dtype=torch.int32)
-            elif start:
-                chunk.context_blocks = torch.from_numpy(context_slots // bs).to(self.device)
-                chunk.context_offsets = torch.from_numpy(context_slots % bs).to(self.device)
-                if start > n:  # else attention pads the queries instead (see attention.attend)
-                    q_pos = torch.arange(start, start + n, device=self.device)
-                    chunk.mask = q_pos[:, None] >= torch.arange(start + n, device=self.device)[None, :]
-            chunks.append(chunk)
         offset = 0
         for s in decodes + prefills:
             offset += s.num_new_tokens
@@ -202,31 +200,74 @@ class ModelRunner:
         graphs = self.decode_graphs
         if graphs is not None and not prefills and graphs.bucket(len(decodes)) is not None \
                 and all(len(s.seq.block_table) <= graphs.width for s in decodes):
+            slots, _ = self._group_slots(0, decodes, prefills)
             logits = graphs.run(input_ids, positions, slots, [s.seq.block_table for s in decodes],
                                 [s.seq.num_computed_tokens + 1 for s in decodes])
             return (logits if len(sample_rows) == len(decodes) else logits[sample_rows]), sampled
-        if self.use_triton:
-            meta, ids, pos, keep = self._triton_inputs(decodes, input_ids, positions, sample_rows, slots, chunks)
-        else:
-            meta = self._metadata(decodes, slots, chunks)
-            ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-            pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-            keep = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+        # one set of slots and block tables a group of layers (KVLayout); every layer's attention reads its group's
+        groups = [self._group_meta(g, decodes, prefills, input_ids, positions, sample_rows)
+                  for g in range(self.kv.layout.num_groups)]
+        meta, ids, pos, keep = groups[0]
+        if len(groups) > 1:
+            meta.groups, meta.layer_groups = [group[0] for group in groups], self.kv.layout.layer_groups
         if self.forward is not None:
             return self.forward(ids, pos, keep, meta).float(), sampled
         with attention.step(meta):
             output = self.model(input_ids=ids[None], position_ids=pos[None], use_cache=False, logits_to_keep=keep)
         return output.logits[0].float(), sampled
 
-    def _triton_inputs(self, decodes: list[ScheduledSeq], input_ids: list[int], positions: list[int],
-                       sample_rows: list[int], slots: list[int], chunks: list[attention.PrefillChunk],
+    def _group_slots(self, group: int, decodes: list[ScheduledSeq], prefills: list[ScheduledSeq],
+                     ) -> tuple[list[int], list[attention.PrefillChunk]]:
+        """The cache slots of the step's new tokens in one group's blocks, and its prefill chunks."""
+        bs = self.block_size
+        slots: list[int] = []
+        for s in decodes:
+            pos = s.seq.num_computed_tokens
+            slots.append(s.seq.block_tables[group][pos // bs] * bs + pos % bs)
+        chunks: list[attention.PrefillChunk] = []
+        offset = len(decodes)
+        for s in prefills:
+            seq, start, n = s.seq, s.seq.num_computed_tokens, s.num_new_tokens
+            table = seq.block_tables[group]
+            chunk = attention.PrefillChunk(offset=offset, num_tokens=n, start=start)
+            offset += n
+            context_slots = _slots(table, bs, 0, start + n)  # the chunk's and its context's
+            slots.extend(context_slots[start:].tolist())
+            if self.use_triton:
+                chunk.block_table = table  # a list: gpu/step.py packs it with the rest
+            elif self.prefill_in_c:
+                chunk.block_table = torch.tensor(table, dtype=torch.int32)
+            elif start:
+                chunk.context_blocks = torch.from_numpy(context_slots // bs).to(self.device)
+                chunk.context_offsets = torch.from_numpy(context_slots % bs).to(self.device)
+                if start > n:  # else attention pads the queries instead (see attention.attend)
+                    q_pos = torch.arange(start, start + n, device=self.device)
+                    chunk.mask = q_pos[:, None] >= torch.arange(start + n, device=self.device)[None, :]
+            chunks.append(chunk)
+        return slots, chunks
+
+    def _group_meta(self, group: int, decodes: list[ScheduledSeq], prefills: list[ScheduledSeq],
+                    input_ids: list[int], positions: list[int], sample_rows: list[int],
+                    ) -> tuple[attention.AttentionMetadata, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One group's attention metadata, and the step's inputs on the device."""
+        slots, chunks = self._group_slots(group, decodes, prefills)
+        tables = [s.seq.block_tables[group] for s in decodes]
+        if self.use_triton:
+            return self._triton_inputs(decodes, tables, input_ids, positions, sample_rows, slots, chunks)
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        keep = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+        return self._metadata(decodes, tables, slots, chunks), ids, pos, keep
+
+    def _triton_inputs(self, decodes: list[ScheduledSeq], tables: list[list[int]], input_ids: list[int],
+                       positions: list[int], sample_rows: list[int], slots: list[int],
+                       chunks: list[attention.PrefillChunk],
                        ) -> tuple[attention.AttentionMetadata, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The step's inputs and attention metadata in one copy to the device (gpu/step.py)."""
         from bulkgen.engine.gpu.step import triton_step  # here: triton is optional
 
         group = self.shape.num_heads // self.shape.num_kv_heads
-        step, ids, pos, keep = triton_step(input_ids, positions, sample_rows, slots,
-                                           [s.seq.block_table for s in decodes],
+        step, ids, pos, keep = triton_step(input_ids, positions, sample_rows, slots, tables,
                                            [s.seq.num_computed_tokens + 1 for s in decodes],
                                            [(c.offset, c.num_tokens, c.start, c.block_table) for c in chunks],
                                            self.device, self.shape.num_kv_heads, group)
@@ -237,13 +278,13 @@ class ModelRunner:
             windows=self.windows, calls=self._calls, mask_windows=self._mask_windows)
         return meta, ids, pos, keep
 
-    def _metadata(self, decodes: list[ScheduledSeq], slots: list[int],
+    def _metadata(self, decodes: list[ScheduledSeq], decode_tables: list[list[int]], slots: list[int],
                   chunks: list[attention.PrefillChunk]) -> attention.AttentionMetadata:
         num_decodes = len(decodes)
-        max_blocks = max((len(s.seq.block_table) for s in decodes), default=0)
+        max_blocks = max((len(table) for table in decode_tables), default=0)
         tables = np.zeros((num_decodes, max_blocks), dtype=np.int32)
-        for i, s in enumerate(decodes):
-            tables[i, :len(s.seq.block_table)] = s.seq.block_table
+        for i, table in enumerate(decode_tables):
+            tables[i, :len(table)] = table
         context_lens = [s.seq.num_computed_tokens + 1 for s in decodes]
         slot_tensor = torch.tensor(slots, dtype=torch.long, device=self.device)
         return attention.AttentionMetadata(

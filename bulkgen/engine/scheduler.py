@@ -140,10 +140,15 @@ class Scheduler:
 
     def update(self, out: SchedulerOutput) -> None:
         """After the model ran `out`: each scheduled sequence's computed tokens advance by what it was given,
-        and its blocks that are now full enter the prefix cache. (Finishing is `finish`, once sampled.)"""
+        its blocks that are now full enter the prefix cache, and a sliding group's blocks that fell out of its window
+        go back to the free list. (Finishing is `finish`, once sampled.)"""
+        bm = self.block_manager
+        slides = bm.layout.slides
         for s in out.scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
-            self.block_manager.cache_full_blocks(s.seq)
+            bm.cache_full_blocks(s.seq)
+            if slides:
+                bm.free_outside_windows(s.seq)
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """End a sequence: out of the queues, its blocks released (full ones stay in the prefix cache)."""

@@ -44,7 +44,7 @@ class Sequence:
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache at first admission
-    block_table: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=lambda: [[]])  # one a group of layers (KVLayout)
     block_hashes: list[int] = field(default_factory=list)  # of the full, computed blocks
     status: SequenceStatus = SequenceStatus.WAITING
     num_preemptions: int = 0
@@ -62,6 +62,15 @@ class Sequence:
         self.token_ids = list(self.prompt_token_ids)
         if self.params.logprobs is not None:
             self.logprobs = []
+
+    @property
+    def block_table(self) -> list[int]:
+        """The first group's blocks (a model whose layers all attend alike has only that group)."""
+        return self.block_tables[0]
+
+    @block_table.setter
+    def block_table(self, blocks: list[int]) -> None:
+        self.block_tables = [blocks]
 
     @property
     def num_prompt_tokens(self) -> int:
