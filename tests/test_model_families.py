@@ -155,6 +155,39 @@ def test_sliding_layers_hold_kv_for_their_window_only(tmp_path: Path, default_mo
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks  # all given back
 
 
+@pytest.mark.parametrize("family", ["gemma3", "mistral"])
+def test_sampled_and_constrained_requests_past_the_window_are_their_seeds(family_dirs: dict[str, Path],
+                                                                          family: str) -> None:
+    """Sampled (T 0.8, top-p 0.95), every other one constrained to a JSON schema, past the window: each request's
+    tokens alone in a roomy cache equal its tokens among the others in a tight one (chunked prefill, preemption,
+    sliding blocks given back and taken again); a constrained output the grammar finished validates."""
+    import json
+
+    import jsonschema
+
+    from tests.test_sampling_matrix import SCHEMA, SCHEMA_TEXT
+
+    model_dir = family_dirs[family]
+    prompts = [p for p, _ in _workload()]
+    params = [SamplingParams(max_new_tokens=40, temperature=0.8, top_p=0.95, seed=i,
+                             json_schema=SCHEMA_TEXT if i % 2 else None) for i in range(len(prompts))]
+
+    def run(indexes: list[int], num_blocks: int) -> tuple[list, Engine]:
+        engine = Engine(model_dir, EngineConfig(block_size=16, max_num_batched_tokens=20,
+                                                kv_cache_memory=_kv_bytes(model_dir, num_blocks)))
+        outs = engine.generate([prompts[i] for i in indexes], [params[i] for i in indexes])
+        return sorted(outs, key=lambda o: o.request_id), engine
+
+    together, engine = run(list(range(len(prompts))), 10)
+    assert engine.stats.num_preemptions >= 1
+    for i, out in enumerate(together):
+        assert out.error is None and out.finish_reason in ("stop", "eos", "length"), (i, out.error)
+        if params[i].json_schema is not None and out.finish_reason == "stop":
+            jsonschema.validate(json.loads(out.text), SCHEMA)
+    alone = [run([i], 64)[0][0].output_token_ids for i in range(len(prompts))]
+    assert [out.output_token_ids for out in together] == alone
+
+
 def _kv_bytes(model_dir: Path, num_blocks: int) -> int:
     return ModelShape.of(read_config(model_dir)).kv_bytes_per_token("float32") * 16 * num_blocks
 
