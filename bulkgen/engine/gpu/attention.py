@@ -40,8 +40,8 @@ MIN_DOT = 16  # tensor-core dots need 16 rows
 
 @triton.jit
 def _dot(a, b, F32: tl.constexpr):
-    if F32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    if F32:  # float32 products as IEEE (a GPU's tl.dot of float32 is tf32 by default: 10-bit mantissas)
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     return tl.dot(a, b)
 
 
@@ -108,11 +108,13 @@ def _decode_kernel(q, k_cache, v_cache, block_tables, table_stride, context_lens
         block = tl.load(block_tables + seq * table_stride + b).to(tl.int64)
         base = (block * NUM_KV_HEADS + kv_head) * BLOCK_SIZE * HEAD_DIM
         kv_offsets = base + r[:, None] * HEAD_DIM + d[None, :]
-        k = tl.load(k_cache + kv_offsets, mask=d_ok[None, :], other=0.0)  # [BLOCK_SIZE, D_PAD]
-        v = tl.load(v_cache + kv_offsets, mask=d_ok[None, :], other=0.0)
-        s = _softcap(_dot(qt, tl.trans(k), DOT_F32) * scale, softcap, HAS_SOFTCAP)  # [G_PAD, BLOCK_SIZE]
         position = b * BLOCK_SIZE + r
-        s = tl.where(((position < context) & (position >= lowest))[None, :], s, float("-inf"))
+        seen = (position < context) & (position >= lowest)
+        # rows not seen are not read: a reused block's stale values (a NaN once written) would give NaN x 0
+        k = tl.load(k_cache + kv_offsets, mask=seen[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_SIZE, D_PAD]
+        v = tl.load(v_cache + kv_offsets, mask=seen[:, None] & d_ok[None, :], other=0.0)
+        s = _softcap(_dot(qt, tl.trans(k), DOT_F32) * scale, softcap, HAS_SOFTCAP)  # [G_PAD, BLOCK_SIZE]
+        s = tl.where(seen[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
@@ -197,7 +199,8 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_
         q, k_cache, v_cache, block_tables, block_tables.stride(0), context_lens, out, part_acc, part_ml, scale,
         blocks_per_split, layer.window, layer.softcap or 1.0, sinks, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
         GROUP=group, G_PAD=g_pad, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size, NUM_SPLITS=splits,
-        DOT_F32=INTERPRET, HAS_SOFTCAP=layer.softcap > 0, HAS_SINKS=layer.sinks is not None)
+        DOT_F32=INTERPRET or q.dtype == torch.float32, HAS_SOFTCAP=layer.softcap > 0,
+        HAS_SINKS=layer.sinks is not None)
     if splits > 1:
         _combine_kernel[(num_seqs, num_kv_heads)](out, part_acc, part_ml, sinks, NUM_HEADS=num_heads,
                                                   NUM_KV_HEADS=num_kv_heads, GROUP=group, G_PAD=g_pad,
@@ -233,14 +236,18 @@ def _prefill_kernel(q, k_cache, v_cache, out, tile_chunks, tile_rows, chunk_offs
     acc = tl.zeros([BLOCK_M * G_PAD, D_PAD], tl.float32)
     last_position = start + tl.minimum(row0 + BLOCK_M, length) - 1
     # a sliding window: the tile's first row sees nothing before position start + row0 - window + 1
-    first_block = tl.where(window > 0, tl.maximum(start + row0 - window + 1, 0) // BLOCK_SIZE, 0)
+    first_seen = tl.where(window > 0, tl.maximum(start + row0 - window + 1, 0), 0)
+    first_block = first_seen // BLOCK_SIZE
     for b in range(first_block, last_position // BLOCK_SIZE + 1):
         block = tl.load(block_tables + chunk * table_stride + b).to(tl.int64)
         kv_offsets = (block * NUM_KV_HEADS + kv_head) * BLOCK_SIZE * HEAD_DIM + r[:, None] * HEAD_DIM + d[None, :]
-        k = tl.load(k_cache + kv_offsets, mask=d_ok[None, :], other=0.0)
-        v = tl.load(v_cache + kv_offsets, mask=d_ok[None, :], other=0.0)
+        key_row = b * BLOCK_SIZE + r
+        # rows no query of the tile sees are not read (stale values: see the decode kernel)
+        row_seen = (key_row <= last_position) & (key_row >= first_seen)
+        k = tl.load(k_cache + kv_offsets, mask=row_seen[:, None] & d_ok[None, :], other=0.0)
+        v = tl.load(v_cache + kv_offsets, mask=row_seen[:, None] & d_ok[None, :], other=0.0)
         s = _softcap(_dot(qt, tl.trans(k), DOT_F32) * scale, softcap, HAS_SOFTCAP)  # [rows, BLOCK_SIZE]
-        key_position = (b * BLOCK_SIZE + r)[None, :]
+        key_position = key_row[None, :]
         visible = (key_position <= position[:, None]) & ((key_position > position[:, None] - window) | (window <= 0))
         s = tl.where(visible & row_ok[:, None], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
@@ -294,7 +301,8 @@ def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: 
         block_tables.stride(0), scale, layer.window, layer.softcap or 1.0, _sinks(layer, q), NUM_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads, GROUP=group, G_PAD=g_pad, HEAD_DIM=head_dim,
         D_PAD=max(MIN_DOT, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size, BLOCK_M=block_m,
-        DOT_F32=INTERPRET, HAS_SOFTCAP=layer.softcap > 0, HAS_SINKS=layer.sinks is not None)
+        DOT_F32=INTERPRET or q.dtype == torch.float32, HAS_SOFTCAP=layer.softcap > 0,
+        HAS_SINKS=layer.sinks is not None)
 
 
 def _sinks(layer: LayerAttention, q: torch.Tensor) -> torch.Tensor:
