@@ -20,6 +20,7 @@ from bulkgen.bench.workload import Workload
 from bulkgen.config import EngineConfig, SamplingParams
 from bulkgen.engine.engine import Engine
 from bulkgen.engine.runner import TORCH_DTYPES
+from bulkgen.model import ModelShape
 from bulkgen.packing import admission_for, order
 from bulkgen.store.packings import DEFAULT_PACKING
 
@@ -99,7 +100,8 @@ def _decode_roofline(spec: dict[str, Any], engine: Any, steps: list[Any]) -> dic
         return None
     rows = [[s.time, s.num_batched_tokens, s.num_decode_tokens, s.num_seqs, s.kv_usage, s.num_context_tokens]
             for s in steps]
-    return decode_roofline(rows, engine.runner.model, measure_device(engine.runner.device, engine.runner.dtype))
+    return decode_roofline(rows, ModelShape.of(engine.runner.model.config), engine.config.dtype,
+                           measure_device(engine.runner.device, engine.runner.dtype))
 
 
 def _load_model(spec: dict[str, Any]) -> Any:

@@ -15,6 +15,7 @@ memory bandwidth, or its FLOPs over the device's peak, whichever is longer; both
 from __future__ import annotations
 
 import json
+import os
 import random
 import tempfile
 from collections.abc import Callable
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from bulkgen.bench.workload import Workload
-from bulkgen.model import ModelShape
+from bulkgen.model import DTYPE_BYTES, ModelShape, estimated_weight_count
 
 LLAMA3_ROPE = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8192}
@@ -41,7 +42,7 @@ SUITE_MODELS: dict[str, dict[str, Any]] = {
                  num_key_value_heads=2, head_dim=16, vocab_size=1024, max_position_embeddings=4096,
                  tie_word_embeddings=False),
 }
-GPU_MODELS = ("smollm2-135m", "llama-3.2-1b", "llama-3.1-8b")
+GPU_MODELS = ("llama-3.1-8b", "llama-3.2-1b", "smollm2-135m")  # the largest first: the figure that matters most
 SUITE_ENGINES = ("bulkgen", "hf-cb", "hf-static-sorted")
 
 
@@ -83,10 +84,14 @@ class NullTokenizer:
 def run_suite(models: list[str], num_requests: int, peer_requests: int, engines: list[str], engine_config: dict,
               run_child: Callable[[str, dict[str, Any]], dict[str, Any]], log: Callable[[str], None],
               prompt_tokens: tuple[int, int] = (128, 1024), output_tokens: tuple[int, int] = (128, 512),
-              ) -> dict[str, Any]:
+              on_row: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Each model through each engine (run_child(engine, spec) runs one in its own process); rows for the
-    table, with token agreement against the first Hugging Face engine over the requests both ran."""
-    rows = []
+    table, with token agreement against the first Hugging Face engine over the requests both ran. on_row gets
+    the report so far the moment each engine finishes (a run cut short keeps what it measured); an engine that
+    fails gives a row with its error and the next one runs."""
+    rows: list[dict[str, Any]] = []
+    report = {"suite": "gpu", "models": models, "num_requests": num_requests, "peer_requests": peer_requests,
+              "rows": rows}
     with tempfile.TemporaryDirectory(prefix="bulkgen-suite-") as tmp:
         for name in models:
             workload = suite_workload(num_requests, SUITE_MODELS[name]["vocab_size"], prompt_tokens, output_tokens)
@@ -100,11 +105,12 @@ def run_suite(models: list[str], num_requests: int, peer_requests: int, engines:
                                          "dtype": engine_config.get("dtype", "bfloat16"),
                                          "engine_config": engine_config})
                 results.append(_row(name, engine, subset, raw))
+                _agreement(results)
+                rows.append(results[-1])
                 log(f"suite: {name} {engine}: {results[-1].get('output_tok_per_s') or raw.get('error')}")
-            _agreement(results)
-            rows.extend(results)
-    return {"suite": "gpu", "models": models, "num_requests": num_requests, "peer_requests": peer_requests,
-            "rows": rows}
+                if on_row is not None:
+                    on_row(report)
+    return report
 
 
 def _first(workload: Workload, n: int) -> Workload:
@@ -132,9 +138,12 @@ def _agreement(results: list[dict[str, Any]]) -> None:
         r["reference"] = reference["engine"]
 
 
-def decode_roofline(steps: list[list[Any]], model: Any, device_info: dict[str, float]) -> dict[str, Any] | None:
+def decode_roofline(steps: list[list[Any]], shape: ModelShape, dtype: str,
+                    device_info: dict[str, float]) -> dict[str, Any] | None:
     """bulkgen's decode step time at its largest batch (the median of the decode-only steps there) and that
-    step's roofline. steps: [time, batched tokens, decode tokens, sequences, kv usage, context tokens]."""
+    step's roofline, from the model's shape (its config, not the loaded modules: the lean forward moves the
+    weights out of them): every weight read once but the embedding table's (rows gathered), and the KV of every
+    sequence's context. steps: [time, batched tokens, decode tokens, sequences, kv usage, context tokens]."""
     durations = [(steps[i][3], steps[i][0] - steps[i - 1][0], steps[i][5]) for i in range(1, len(steps))
                  if steps[i][1] == steps[i][2] == steps[i][3]]  # decode only: one token a sequence
     if not durations:
@@ -142,13 +151,10 @@ def decode_roofline(steps: list[list[Any]], model: Any, device_info: dict[str, f
     batch = max(b for b, _, _ in durations)
     at_batch = sorted((d, ctx) for b, d, ctx in durations if b >= 0.9 * batch)
     seconds, context = at_batch[len(at_batch) // 2]
-    shape = ModelShape.of(model.config)
-    element = next(model.parameters()).element_size()
-    gathered = 0 if model.config.tie_word_embeddings else model.get_input_embeddings().weight.numel()
-    weight_params = sum(p.numel() for p in model.parameters()) - gathered  # the embedding table is only gathered
-    kv_bytes = shape.kv_bytes_per_token(str(next(model.parameters()).dtype).removeprefix("torch.")) * context
+    weight_params = estimated_weight_count(shape) - shape.vocab * shape.hidden  # the embedding table is gathered
+    kv_bytes = shape.kv_bytes_per_token(dtype) * context
     flops = 2 * weight_params * batch + 4 * shape.num_layers * shape.num_heads * shape.head_dim * context
-    memory_s = (weight_params * element + kv_bytes) / device_info["bytes_per_s"]
+    memory_s = (weight_params * DTYPE_BYTES[dtype] + kv_bytes) / device_info["bytes_per_s"]
     compute_s = flops / device_info["flops_per_s"]
     roofline = max(memory_s, compute_s)
     return {"decode_batch": batch, "decode_step_ms": seconds * 1e3, "roofline_ms": roofline * 1e3,
@@ -197,5 +203,8 @@ def format_suite(report: dict[str, Any]) -> str:
 
 
 def write_suite_json(report: dict[str, Any], path: Path) -> None:
+    """Written whole or not at all (a file beside it, then renamed): a run killed while writing keeps the last."""
     slim = {**report, "rows": [{k: v for k, v in r.items() if not k.startswith("_")} for r in report["rows"]]}
-    path.write_text(json.dumps(slim, indent=2))
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(slim, indent=2))
+    os.replace(partial, path)

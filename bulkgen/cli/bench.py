@@ -18,7 +18,7 @@ import click
 from bulkgen.bench import workload as wl
 from bulkgen.bench.report import format_table, plot, write_json
 from bulkgen.bench.run import BenchOptions, child_runner, parse_engines, run_bench
-from bulkgen.bench.suite import SUITE_ENGINES, SUITE_MODELS, format_suite, run_suite, write_suite_json
+from bulkgen.bench.suite import GPU_MODELS, SUITE_ENGINES, SUITE_MODELS, format_suite, run_suite, write_suite_json
 from bulkgen.cli.options import CONTEXT, BulkgenGroup, engine_config, engine_options
 from bulkgen.config import EngineConfig, SamplingParams
 from bulkgen.jobspec import load_schema
@@ -51,7 +51,7 @@ SEED = click.option("--seed", type=int, default=0, show_default=True, help="Seed
 MODEL = click.option("--model", default=None,
                      help="Alias, .gguf file or Hugging Face directory (default model if not given).")
 SUITE_OPTIONS = _apply([
-    click.option("--suite-models", default=",".join(("smollm2-135m", "llama-3.2-1b", "llama-3.1-8b")),
+    click.option("--suite-models", default=",".join(GPU_MODELS),
                  show_default=True, help="The suite's models, comma-separated (also: tiny, for a smoke run on a CPU)."),
     click.option("--suite-requests", type=int, default=1024, show_default=True,
                  help="Requests bulkgen runs in the suite (its peers run --suite-peer-requests of them)."),
@@ -293,12 +293,18 @@ def _suite(models: str, num_requests: int, peer_requests: int, hf_batch_size: st
     if unknown or not names:
         raise click.BadParameter(f"unknown suite model(s) {unknown}; known: {', '.join(SUITE_MODELS)}",
                                  param_hint="--suite-models")
-    if engine["dtype"] in ("auto", "float32"):
-        engine["dtype"] = "bfloat16"  # the suite measures bfloat16 (a --dtype of float16 is kept)
+    if engine["dtype"] == "auto":
+        engine["dtype"] = "bfloat16"  # the suite measures bfloat16 (a --dtype given is kept: float32 for a rehearsal)
     config = dataclasses.asdict(engine_config(engine))
     run = child_runner(timeout_s=3600, hf_batch_sizes=[int(b) for b in hf_batch_size.split(",")])
+
+    def on_row(report: dict[str, Any]) -> None:  # each engine's row the moment it is measured: a cut run keeps it
+        click.echo(format_suite({**report, "rows": report["rows"][-1:]}).splitlines()[-1], err=True)
+        if json_path:
+            write_suite_json(report, json_path)
+
     report = run_suite(names, num_requests, peer_requests, list(SUITE_ENGINES), config, run,
-                       log=lambda m: click.echo(m, err=True))
+                       log=lambda m: click.echo(m, err=True), on_row=on_row)
     click.echo(format_suite(report))
     if json_path:
         write_suite_json(report, json_path)

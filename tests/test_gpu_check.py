@@ -1,0 +1,61 @@
+"""`.ci/gpu-check`, rehearsed on a CPU as CI can (REHEARSAL=1: Triton's interpreter, the suite's tiny model): a
+lent GPU gives one call, so the script must bring back every stage's figures, written as it goes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+pytest.importorskip("triton")
+
+
+def test_the_gpu_check_rehearsed_on_a_cpu_brings_back_every_stage(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    done = subprocess.run([str(ROOT / ".ci" / "gpu-check"), "--quick"], env={**os.environ, "OUT": str(out),
+                          "REHEARSAL": "1"}, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout + done.stderr
+    summary = (out / "summary.txt").read_text().splitlines()
+    assert [line.split(":")[0] for line in summary] == ["info", "kernels", "attention", "suite"]
+    assert all(": exit 0 " in line for line in summary), summary
+    tests = ET.parse(out / "kernels.xml").getroot().iter("testsuite")
+    suite = next(tests)
+    assert int(suite.get("tests")) >= 3 and int(suite.get("failures")) == int(suite.get("errors")) == 0
+    attention = json.loads((out / "attention.json").read_text())
+    # 4 sequences x 48 tokens of K and V, 8 KV heads x 128 dims, float32
+    assert attention["bytes_read"] == 2 * 4 * 48 * 8 * 128 * 4 and attention["ms"] > 0
+    report = json.loads((out / "suite.json").read_text())
+    rows = {r["engine"]: r for r in report["rows"]}
+    assert set(rows) == {"bulkgen", "hf-cb", "hf-static-sorted"} and not any(r.get("error") for r in rows.values())
+    assert rows["bulkgen"]["num_requests"] == 6 and rows["hf-cb"]["num_requests"] == 3
+    assert all(r["identical_share"] == 1.0 for r in rows.values()), "the same seeded weights in every process"
+    assert rows["bulkgen"]["decode_step_ms"] > 0 and rows["bulkgen"]["roofline_ms"] > 0
+
+
+def test_a_suite_killed_midway_keeps_the_rows_it_measured(tmp_path: Path) -> None:
+    """The suite writes its JSON after each engine: killed once the first row is there (as a stage's time limit
+    would), the file holds that row, whole."""
+    path = tmp_path / "suite.json"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "bulkgen", "bench", "suite", "--suite-models", "tiny", "--suite-requests", "4",
+         "--suite-peer-requests", "2", "--hf-batch-size", "2", "--dtype", "float32", "--kv-cache-memory", "8MiB",
+         "--json", str(path)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while not path.exists() and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.killpg(process.pid, signal.SIGKILL)
+    finally:
+        process.wait()
+    rows = json.loads(path.read_text())["rows"]
+    assert rows and rows[0]["engine"] == "bulkgen" and rows[0]["output_tok_per_s"] > 0
