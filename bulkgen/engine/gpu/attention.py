@@ -52,7 +52,17 @@ def _softcap(s, softcap, HAS_SOFTCAP: tl.constexpr):
     return s
 
 
-@triton.jit
+# Ints that change from step to step: not specialized (Triton compiles a variant for ==1 and for %16 == 0 of
+# every int it is not told of), so that a run compiles each kernel once per layer kind after warm-up
+# (tests/test_triton_specializations.py counts them)
+VARYING = {
+    "_write_kv_kernel": ("num_tokens", "k_token_stride", "k_head_stride", "v_token_stride", "v_head_stride"),
+    "_decode_kernel": ("table_stride", "blocks_per_split", "window"),
+    "_prefill_kernel": ("table_stride", "window"),
+}
+
+
+@triton.jit(do_not_specialize=VARYING["_write_kv_kernel"])
 def _write_kv_kernel(key, value, slots, k_cache, v_cache, num_tokens, k_token_stride, k_head_stride, v_token_stride,
                      v_head_stride, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                      D_PAD: tl.constexpr, BLOCK_T: tl.constexpr):
@@ -81,7 +91,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor, k_cach
         D_PAD=triton.next_power_of_2(head_dim), BLOCK_T=block_t)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=VARYING["_decode_kernel"])
 def _decode_kernel(q, k_cache, v_cache, block_tables, table_stride, context_lens, out, part_acc, part_ml, scale,
                    blocks_per_split, window, softcap, sinks, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                    GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
@@ -166,11 +176,12 @@ def _combine_kernel(out, part_acc, part_ml, sinks, NUM_HEADS: tl.constexpr, NUM_
 
 def decode_splits(num_seqs: int, num_kv_heads: int, max_blocks: int, num_programs: int = 256) -> int:
     """Splits of each sequence's blocks so that about `num_programs` programs run (the GPU's SMs a few times
-    over), at least 4 blocks a split, at most 64 splits."""
+    over), at least 4 blocks a split, at most 64 splits; a power of two (NUM_SPLITS is compiled in: seven
+    variants at most)."""
     if max_blocks <= 4:
         return 1
-    wanted = triton.cdiv(num_programs, max(1, num_seqs * num_kv_heads))
-    return max(1, min(wanted, triton.cdiv(max_blocks, 4), 64))
+    wanted = min(triton.cdiv(num_programs, max(1, num_seqs * num_kv_heads)), triton.cdiv(max_blocks, 4), 64)
+    return 1 << (max(1, wanted).bit_length() - 1)
 
 
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -209,7 +220,7 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=VARYING["_prefill_kernel"])
 def _prefill_kernel(q, k_cache, v_cache, out, tile_chunks, tile_rows, chunk_offsets, chunk_lens, chunk_starts,
                     block_tables, table_stride, scale, window, softcap, sinks, NUM_HEADS: tl.constexpr,
                     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,

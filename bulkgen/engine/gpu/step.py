@@ -10,6 +10,8 @@ import torch
 from bulkgen.engine.attention import TritonStep
 from bulkgen.engine.gpu import attention as triton_attention
 
+ALIGN = 4  # int32s: 16 bytes
+
 
 def triton_step(input_ids: list[int], positions: list[int], keep: list[int], slots: list[int],
                 decode_tables: list[list[int]], decode_context_lens: list[int],
@@ -26,9 +28,12 @@ def triton_step(input_ids: list[int], positions: list[int], keep: list[int], slo
                                                             triton_attention.prefill_block_m(group))
     sizes = [len(input_ids), len(positions), len(keep), len(slots), num_decodes * decode_width, num_decodes,
              len(tile_chunks), len(tile_rows), num_chunks, num_chunks, num_chunks, num_chunks * chunk_width]
-    host = np.zeros(sum(sizes), dtype=np.int32)
+    # each section starts on 16 bytes: Triton specializes a pointer on its 16-byte alignment, and sections at
+    # arbitrary offsets would compile a kernel variant for each pattern of them
+    starts_at = np.concatenate([[0], np.cumsum([-(-n // ALIGN) * ALIGN for n in sizes])])
+    host = np.zeros(int(starts_at[-1]), dtype=np.int32)
     (ids, pos, kept, slot, tables, lens, t_chunks, t_rows, offsets, lengths, starts,
-     chunk_tables) = np.split(host, np.cumsum(sizes)[:-1])
+     chunk_tables) = (host[a:a + n] for a, n in zip(starts_at, sizes, strict=False))
     ids[:], pos[:], kept[:], slot[:], lens[:] = input_ids, positions, keep, slots, decode_context_lens
     tables = tables.reshape(num_decodes, decode_width)
     for i, table in enumerate(decode_tables):
@@ -41,7 +46,7 @@ def triton_step(input_ids: list[int], positions: list[int], keep: list[int], slo
     buffer = torch.from_numpy(host)
     if device.type == "cuda":
         buffer = buffer.pin_memory().to(device, non_blocking=True)
-    views = torch.split(buffer, sizes)
+    views = [buffer[a:a + n] for a, n in zip(starts_at.tolist(), sizes, strict=False)]
     step = TritonStep(
         slots=views[3], decode_block_tables=views[4].view(num_decodes, decode_width), decode_context_lens=views[5],
         # about 256 programs on a GPU; in the CPU interpreter (tests) two splits a sequence are proof enough

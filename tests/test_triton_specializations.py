@@ -1,0 +1,74 @@
+"""No recompilation after warm-up: the Triton kernels' launches over a ragged run (batch sizes and lengths that
+change every step) ask for few variants. Triton compiles one for each combination of a launch's constexprs, its
+pointers' 16-byte alignment and, for each int it is not told to leave alone (do_not_specialize), whether it is 1
+and whether it divides by 16; a variant is a compile of one or two seconds on a GPU, inside the timed run. Each
+launch's key is computed here by that rule (Triton's own, in its JIT's specialization), from what the kernels were
+called with while the engine ran in Triton's interpreter."""
+
+from __future__ import annotations
+
+import inspect
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+triton_attention = pytest.importorskip("bulkgen.engine.gpu.attention")
+
+from bulkgen.config import EngineConfig, SamplingParams  # noqa: E402
+from bulkgen.engine.engine import Engine  # noqa: E402
+
+KERNELS = ("_write_kv_kernel", "_decode_kernel", "_combine_kernel", "_prefill_kernel")
+
+
+def _key(kernel: object, name: str, args: tuple, kwargs: dict) -> tuple:
+    parameters = inspect.signature(kernel.fn).parameters
+    bound = dict(zip(parameters, args, strict=False)) | kwargs
+    varying = set(triton_attention.VARYING.get(name, ()))
+    key = []
+    for param, value in bound.items():
+        if "constexpr" in str(parameters[param].annotation):
+            key.append((param, value))
+        elif isinstance(value, torch.Tensor):
+            key.append((param, value.dtype, value.data_ptr() % 16 == 0))
+        elif isinstance(value, bool) or not isinstance(value, int) or param in varying:
+            key.append((param, type(value).__name__))
+        else:
+            key.append((param, value == 1, value % 16 == 0))
+    return tuple(key)
+
+
+def test_a_ragged_run_asks_for_few_kernel_variants(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    keys: dict[str, set] = {name: set() for name in KERNELS}
+
+    class Recorded:
+        def __init__(self, kernel: object, name: str) -> None:
+            self.kernel, self.name, self.fn = kernel, name, kernel.fn
+
+        def __getitem__(self, grid: object):
+            launch = self.kernel[grid]
+
+            def run(*args, **kwargs):
+                keys[self.name].add(_key(self.kernel, self.name, args, kwargs))
+                return launch(*args, **kwargs)
+            return run
+
+    for name in KERNELS:
+        monkeypatch.setattr(triton_attention, name, Recorded(getattr(triton_attention, name), name))
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(2, 70))] for _ in range(9)]
+    params = [SamplingParams(max_new_tokens=rng.randint(3, 24), ignore_eos=True) for _ in prompts]
+    engine = Engine(tiny_model_dir, EngineConfig(attention_backend="triton", block_size=16, max_num_seqs=6,
+                                                 max_num_batched_tokens=40, kv_cache_memory=2 * 2**20))
+    engine.stats.keep_steps = True
+    outputs = list(engine.generate(prompts, params))
+    assert len(outputs) == len(prompts)
+    batches = {step.num_seqs for step in engine.stats.steps}
+    assert len(batches) >= 4, "the run was ragged: batches of many sizes"
+    # one variant a kernel, but the decode kernel's and the combine's split counts: powers of two (at most 7).
+    # Before the sections were aligned and the ints left alone, this run asked for 6 decode and 6 prefill variants
+    assert len(keys["_write_kv_kernel"]) == 1 and len(keys["_prefill_kernel"]) == 1, keys
+    splits = {entry[1] for key in keys["_decode_kernel"] for entry in key if entry[0] == "NUM_SPLITS"}
+    assert all(s & (s - 1) == 0 for s in splits) and len(keys["_decode_kernel"]) == len(splits), keys
+    assert len(keys["_combine_kernel"]) <= len(splits)
