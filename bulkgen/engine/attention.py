@@ -314,10 +314,10 @@ def _attend_triton(step: TritonStep, query: torch.Tensor, key: torch.Tensor, val
     query = query.contiguous()
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     num_decodes = step.decode_context_lens.shape[0]
-    if num_decodes:
-        out[:num_decodes] = triton_attention.decode(query[:num_decodes], k_cache, v_cache, step.decode_block_tables,
-                                                    step.decode_context_lens, scale, step.decode_splits, spec)
-    triton_attention.prefill(query, k_cache, v_cache, out, step.tile_chunks, step.tile_rows,
+    if num_decodes:  # into the step's output rows: no copy
+        triton_attention.decode(query[:num_decodes], k_cache, v_cache, step.decode_block_tables,
+                                step.decode_context_lens, scale, step.decode_splits, spec, out=out[:num_decodes])
+    triton_attention.prefill(query, k_cache, v_cache, out, step.tile_chunks, step.tile_rows,  # none without chunks
                              step.chunk_offsets, step.chunk_lens, step.chunk_starts, step.chunk_block_tables, scale,
                              spec)
     return out

@@ -186,13 +186,16 @@ def decode_splits(num_seqs: int, num_kv_heads: int, max_blocks: int, num_program
 
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
            context_lens: torch.Tensor, scale: float, num_splits: int | None = None,
-           layer: LayerAttention = FULL) -> torch.Tensor:
+           layer: LayerAttention = FULL, out: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention: q [num_seqs, num_heads, head_dim]; block_tables [num_seqs, max_blocks] and
-    context_lens [num_seqs] (int32); returns [num_seqs, num_heads, head_dim] in q's dtype."""
+    context_lens [num_seqs] (int32); returns [num_seqs, num_heads, head_dim] in q's dtype, written into `out`
+    where given (contiguous, as the kernel writes it: the step's output rows, no copy)."""
     num_seqs, num_heads, head_dim = q.shape
     _, num_kv_heads, block_size, _ = k_cache.shape
     q = q.contiguous()
-    out = torch.empty_like(q)  # contiguous, as the kernel writes it
+    if out is None:
+        out = torch.empty_like(q)
+    assert out.is_contiguous() and out.shape == q.shape
     if num_seqs == 0:
         return out
     group = num_heads // num_kv_heads
