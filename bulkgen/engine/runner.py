@@ -205,11 +205,25 @@ class ModelRunner:
                                 [s.seq.num_computed_tokens + 1 for s in decodes])
             return (logits if len(sample_rows) == len(decodes) else logits[sample_rows]), sampled
         # one set of slots and block tables a group of layers (KVLayout); every layer's attention reads its group's
-        groups = [self._group_meta(g, decodes, prefills, input_ids, positions, sample_rows)
-                  for g in range(self.kv.layout.num_groups)]
-        meta, ids, pos, keep = groups[0]
-        if len(groups) > 1:
-            meta.groups, meta.layer_groups = [group[0] for group in groups], self.kv.layout.layer_groups
+        metas = []
+        for g in range(self.kv.layout.num_groups):
+            slots, chunks = self._group_slots(g, decodes, prefills)
+            tables = [s.seq.block_tables[g] for s in decodes]
+            if not self.use_triton:
+                metas.append(self._metadata(decodes, tables, slots, chunks))
+            elif not g:  # the step's inputs travel in the first group's one copy
+                meta, ids, pos, keep = self._triton_inputs(decodes, tables, input_ids, positions, sample_rows, slots,
+                                                           chunks)
+                metas.append(meta)
+            else:
+                metas.append(self._triton_inputs(decodes, tables, [], [], [], slots, chunks)[0])
+        if not self.use_triton:
+            ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+            pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+            keep = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+        meta = metas[0]
+        if len(metas) > 1:
+            meta.groups, meta.layer_groups = metas, self.kv.layout.layer_groups
         if self.forward is not None:
             return self.forward(ids, pos, keep, meta).float(), sampled
         with attention.step(meta):
@@ -245,19 +259,6 @@ class ModelRunner:
                     chunk.mask = q_pos[:, None] >= torch.arange(start + n, device=self.device)[None, :]
             chunks.append(chunk)
         return slots, chunks
-
-    def _group_meta(self, group: int, decodes: list[ScheduledSeq], prefills: list[ScheduledSeq],
-                    input_ids: list[int], positions: list[int], sample_rows: list[int],
-                    ) -> tuple[attention.AttentionMetadata, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One group's attention metadata, and the step's inputs on the device."""
-        slots, chunks = self._group_slots(group, decodes, prefills)
-        tables = [s.seq.block_tables[group] for s in decodes]
-        if self.use_triton:
-            return self._triton_inputs(decodes, tables, input_ids, positions, sample_rows, slots, chunks)
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        keep = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
-        return self._metadata(decodes, tables, slots, chunks), ids, pos, keep
 
     def _triton_inputs(self, decodes: list[ScheduledSeq], tables: list[list[int]], input_ids: list[int],
                        positions: list[int], sample_rows: list[int], slots: list[int],
