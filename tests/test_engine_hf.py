@@ -189,7 +189,23 @@ def test_decode_graphs_pad_to_their_bucket_and_equal_hf_generate(models) -> None
     engine = Engine(model_dir, config)
     graphs = engine.runner.decode_graphs
     assert graphs is not None and graphs.sizes == [1, 2, 4, 5] and graphs.scratch_block == engine.runner.num_blocks
+    assert sorted(graphs.graphs) == graphs.sizes, "every bucket is captured when the engine starts"
+    made = dict(graphs.graphs)
+    used = set()
+    original_run = graphs.run
+
+    def run(*args):
+        used.add((graphs.bucket(len(args[0])), max(len(t) for t in args[3])))
+        logits = original_run(*args)
+        # a replay copies the rows of its bucket and the width in use, not tables as wide as the longest sequence
+        bucket, width = graphs.bucket(len(args[0])), max(len(t) for t in args[3])
+        assert graphs.copied == graphs._starts[-1] + bucket * width < graphs.buffer.numel()
+        return logits
+
+    graphs.run = run
     assert _first_16(engine, picked) == {i: expected[i][:min(WORKLOAD[i][1], 16)] for i in picked}
-    assert len(graphs.graphs) >= 2, "decode steps of several sizes went through their buckets"
+    assert len({bucket for bucket, _ in used}) >= 2, "decode steps of several sizes went through their buckets"
+    assert len({width for _, width in used}) >= 2, "and of several table widths"
+    assert graphs.graphs == made, "none captured during the run"
     with pytest.raises(ConfigError, match="needs a GPU"):
         Engine(model_dir, EngineConfig(kv_cache_memory=2**20, cuda_graphs=True, attention_backend="torch"))

@@ -25,7 +25,7 @@ def test_the_gpu_check_rehearsed_on_a_cpu_brings_back_every_stage(tmp_path: Path
                           "REHEARSAL": "1"}, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout + done.stderr
     summary = (out / "summary.txt").read_text().splitlines()
-    assert [line.split(":")[0] for line in summary] == ["info", "kernels", "attention", "suite"]
+    assert [line.split(":")[0] for line in summary] == ["info", "kernels", "attention", "launches", "suite"]
     assert all(": exit 0 " in line for line in summary), summary
     tests = ET.parse(out / "kernels.xml").getroot().iter("testsuite")
     suite = next(tests)
@@ -33,9 +33,12 @@ def test_the_gpu_check_rehearsed_on_a_cpu_brings_back_every_stage(tmp_path: Path
     attention = json.loads((out / "attention.json").read_text())
     # 4 sequences x 48 tokens of K and V, 8 KV heads x 128 dims, float32
     assert attention["bytes_read"] == 2 * 4 * 48 * 8 * 128 * 4 and attention["ms"] > 0
+    launches = (out / "launches.log").read_text()
+    assert "4 layers: " in launches and "triton._decode_kernel" in launches, launches
     report = json.loads((out / "suite.json").read_text())
     rows = {r["engine"]: r for r in report["rows"]}
-    assert set(rows) == {"bulkgen", "hf-cb", "hf-static-sorted"} and not any(r.get("error") for r in rows.values())
+    assert list(rows) == ["bulkgen", "hf-cb", "hf-static-sorted"], "in order"
+    assert not any(r.get("error") for r in rows.values()), rows
     assert rows["bulkgen"]["num_requests"] == 6 and rows["hf-cb"]["num_requests"] == 3
     assert all(r["identical_share"] == 1.0 for r in rows.values()), "the same seeded weights in every process"
     assert rows["bulkgen"]["decode_step_ms"] > 0 and rows["bulkgen"]["roofline_ms"] > 0
@@ -59,3 +62,26 @@ def test_a_suite_killed_midway_keeps_the_rows_it_measured(tmp_path: Path) -> Non
         process.wait()
     rows = json.loads(path.read_text())["rows"]
     assert rows and rows[0]["engine"] == "bulkgen" and rows[0]["output_tok_per_s"] > 0
+
+
+def test_the_suites_cuda_graph_entry_runs_bulkgen_with_graphs_and_the_same_tokens(tmp_path: Path) -> None:
+    """bulkgen-graphs, the quick check's last suite entry, is bulkgen with decode graphs (run eagerly here, in Triton's
+    interpreter, on prompts short enough for it): the same tokens as bulkgen on the Triton path."""
+    from bulkgen.bench.child import RUNNERS
+    from bulkgen.bench.workload import Workload
+
+    workload = Workload("short", [0, 1, 2], [[5, 6, 7], [8] * 20, [9, 10]], [6, 3, 9])
+    spec = {"suite_model": "tiny", "dtype": "float32",
+            "engine_config": {"attention_backend": "triton", "dtype": "float32", "kv_cache_memory": 2**22,
+                              "block_size": 16, "max_num_seqs": 4}}
+    plain = RUNNERS["bulkgen"](spec, workload)
+    graphs = RUNNERS["bulkgen-graphs"](spec, workload)
+    assert graphs["output_token_ids"] == plain["output_token_ids"]
+    assert [len(t) for t in graphs["output_token_ids"]] == [6, 3, 9]
+
+
+def test_unknown_suite_engines_are_refused_before_anything_runs() -> None:
+    done = subprocess.run([sys.executable, "-m", "bulkgen", "bench", "suite", "--suite-models", "tiny",
+                           "--suite-engines", "bulkgen,vllm-gpu"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and "unknown suite engine(s) ['vllm-gpu']" in done.stderr, done.stderr

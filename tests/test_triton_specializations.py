@@ -39,7 +39,8 @@ def _key(kernel: object, name: str, args: tuple, kwargs: dict) -> tuple:
     return tuple(key)
 
 
-def test_a_ragged_run_asks_for_few_kernel_variants(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_ragged_run_asks_for_few_kernel_variants_and_none_past_the_warm_up(tiny_model_dir: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     keys: dict[str, set] = {name: set() for name in KERNELS}
 
     class Recorded:
@@ -61,6 +62,11 @@ def test_a_ragged_run_asks_for_few_kernel_variants(tiny_model_dir: Path, monkeyp
     params = [SamplingParams(max_new_tokens=rng.randint(3, 24), ignore_eos=True) for _ in prompts]
     engine = Engine(tiny_model_dir, EngineConfig(attention_backend="triton", block_size=16, max_num_seqs=6,
                                                  max_num_batched_tokens=40, kv_cache_memory=2 * 2**20))
+    # what a GPU's engine runs at start (here, in the interpreter, it is called by hand: nothing compiles)
+    assert engine.runner.warm_up() == [1, 2], "the interpreter's split counts: two a sequence at most"
+    warmed = {name: set(found) for name, found in keys.items()}
+    for found in keys.values():
+        found.clear()
     engine.stats.keep_steps = True
     outputs = list(engine.generate(prompts, params))
     assert len(outputs) == len(prompts)
@@ -72,3 +78,20 @@ def test_a_ragged_run_asks_for_few_kernel_variants(tiny_model_dir: Path, monkeyp
     splits = {entry[1] for key in keys["_decode_kernel"] for entry in key if entry[0] == "NUM_SPLITS"}
     assert all(s & (s - 1) == 0 for s in splits) and len(keys["_decode_kernel"]) == len(splits), keys
     assert len(keys["_combine_kernel"]) <= len(splits)
+    # and every one the run asked for was compiled by the warm-up
+    assert all(keys[name] <= warmed[name] for name in KERNELS), {name: keys[name] - warmed[name] for name in KERNELS}
+
+
+def test_a_decode_step_launches_ten_kernels_a_layer_and_copies_no_query() -> None:
+    """Launches of one engine decode step on the Triton path (bench/launches.py: each Triton launch, each torch op
+    that computes), at two depths: what one more layer costs, and what the step costs besides. A layer: its four
+    projections (qkv and gate/up fused), two add+RMSNorms, RoPE, the KV write, decode attention, SiLU-and-multiply;
+    no copy of the query (the kernels read the fused projection's rows in place), no prefill launch."""
+    from bulkgen.bench.launches import decode_step_launches, small_engine
+
+    counts = {layers: decode_step_launches(small_engine(layers, "cpu"), batch=4) for layers in (2, 4)}
+    per_layer = (sum(counts[4].values()) - sum(counts[2].values())) / 2
+    rest = sum(counts[2].values()) - 2 * per_layer
+    assert per_layer == 10, (counts[4] - counts[2])
+    assert rest <= 30, counts[2]
+    assert not {"torch.contiguous", "torch.clone", "torch.copy_", "triton._prefill_kernel"} & set(counts[4]), counts[4]

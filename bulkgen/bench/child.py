@@ -247,6 +247,9 @@ def _warm_up(engine: Any) -> None:
 
 RUNNERS = {
     "bulkgen": run_bulkgen,
+    # the suite's second bulkgen entry: decode steps replayed as CUDA graphs (gpu/graphs.py)
+    "bulkgen-graphs": lambda spec, w: run_bulkgen({**spec, "engine_config": {**spec["engine_config"],
+                                                                             "cuda_graphs": True}}, w),
     "bulkgen-store": run_bulkgen_store,
     "hf-static": lambda spec, w: run_hf_static(spec, w, sort=False),
     "hf-static-sorted": lambda spec, w: run_hf_static(spec, w, sort=True),

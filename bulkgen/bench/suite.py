@@ -44,6 +44,7 @@ SUITE_MODELS: dict[str, dict[str, Any]] = {
 }
 GPU_MODELS = ("llama-3.1-8b", "llama-3.2-1b", "smollm2-135m")  # the largest first: the figure that matters most
 SUITE_ENGINES = ("bulkgen", "hf-cb", "hf-static-sorted")
+SUITE_RUNNERS = (*SUITE_ENGINES, "bulkgen-graphs", "hf-static")  # what --suite-engines may name (bench/child.py)
 
 
 def suite_workload(num_requests: int, vocab_size: int, prompt_tokens: tuple[int, int] = (128, 1024),

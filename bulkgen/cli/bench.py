@@ -18,7 +18,15 @@ import click
 from bulkgen.bench import workload as wl
 from bulkgen.bench.report import format_table, plot, write_json
 from bulkgen.bench.run import BenchOptions, child_runner, parse_engines, run_bench
-from bulkgen.bench.suite import GPU_MODELS, SUITE_ENGINES, SUITE_MODELS, format_suite, run_suite, write_suite_json
+from bulkgen.bench.suite import (
+    GPU_MODELS,
+    SUITE_ENGINES,
+    SUITE_MODELS,
+    SUITE_RUNNERS,
+    format_suite,
+    run_suite,
+    write_suite_json,
+)
 from bulkgen.cli.options import CONTEXT, BulkgenGroup, engine_config, engine_options
 from bulkgen.config import EngineConfig, SamplingParams
 from bulkgen.jobspec import load_schema
@@ -56,6 +64,9 @@ SUITE_OPTIONS = _apply([
     click.option("--suite-requests", type=int, default=1024, show_default=True,
                  help="Requests bulkgen runs in the suite (its peers run --suite-peer-requests of them)."),
     click.option("--suite-peer-requests", type=int, default=128, show_default=True),
+    click.option("--suite-engines", default=",".join(SUITE_ENGINES), show_default=True,
+                 help="The suite's engines, in order, comma-separated (also: bulkgen-graphs, bulkgen with CUDA-graph "
+                      "decode)."),
 ])
 QUEUE_OPTIONS = _apply([
     click.option("--workers", "queue_workers", default="1,2,4,8", show_default=True, metavar="N[,N...]",
@@ -120,7 +131,7 @@ def bench() -> None:
 @QUEUE_OPTIONS
 @engine_options
 def compare(workload: Path | None, synthetic: int | None, suite: str | None, suite_models: str, suite_requests: int,
-            suite_peer_requests: int, make_workload: int | None, limit: int | None, chat: bool,
+            suite_peer_requests: int, suite_engines: str, make_workload: int | None, limit: int | None, chat: bool,
             max_new_tokens: int, model: str | None, compare: str, packing: str, kv_admission: bool,
             hf_batch_size: str, vllm_python: str | None, json_path: Path | None, plot_path: Path | None, seed: int,
             reference: str | None, temperature: float, top_p: float, top_k: int, min_p: float,
@@ -144,7 +155,7 @@ def compare(workload: Path | None, synthetic: int | None, suite: str | None, sui
       bulkgen bench w256.parquet --temperature 0.8 --top-p 0.95 --compare bulkgen@greedy,bulkgen@json,vllm
     """
     if suite is not None:
-        _suite(suite_models, suite_requests, suite_peer_requests, hf_batch_size, json_path, engine)
+        _suite(suite_models, suite_requests, suite_peer_requests, suite_engines, hf_batch_size, json_path, engine)
         return
     if queue_bench:
         _queue(queue_workers, queue_dbs, queue_requests, engine["max_num_seqs"], json_path)
@@ -197,7 +208,7 @@ def compare(workload: Path | None, synthetic: int | None, suite: str | None, sui
 @HF_BATCH_SIZE
 @JSON_PATH
 @engine_options
-def suite(suite_models: str, suite_requests: int, suite_peer_requests: int, hf_batch_size: str,
+def suite(suite_models: str, suite_requests: int, suite_peer_requests: int, suite_engines: str, hf_batch_size: str,
           json_path: Path | None, **engine: Any) -> None:
     """The GPU suite: random-weight models of three sizes, bfloat16, 1,024 synthetic requests; bulkgen
     against transformers' generate_batch and static batches.
@@ -207,7 +218,7 @@ def suite(suite_models: str, suite_requests: int, suite_peer_requests: int, hf_b
       bulkgen bench suite --json gpu.json
       bulkgen bench suite --suite-models tiny --suite-requests 16    # a smoke run on a CPU
     """
-    _suite(suite_models, suite_requests, suite_peer_requests, hf_batch_size, json_path, engine)
+    _suite(suite_models, suite_requests, suite_peer_requests, suite_engines, hf_batch_size, json_path, engine)
 
 
 @bench.command(context_settings=CONTEXT)
@@ -286,13 +297,18 @@ def _resolved_dtype(config: EngineConfig, model_dir: Path) -> EngineConfig:
     return dataclasses.replace(config, dtype=dtype_for("auto", model_dir, config.kv_cache_memory, on_gpu))
 
 
-def _suite(models: str, num_requests: int, peer_requests: int, hf_batch_size: str, json_path: Path | None,
-           engine: dict[str, Any]) -> None:
+def _suite(models: str, num_requests: int, peer_requests: int, engines: str, hf_batch_size: str,
+           json_path: Path | None, engine: dict[str, Any]) -> None:
     names = [m.strip() for m in models.split(",") if m.strip()]
     unknown = [m for m in names if m not in SUITE_MODELS]
     if unknown or not names:
         raise click.BadParameter(f"unknown suite model(s) {unknown}; known: {', '.join(SUITE_MODELS)}",
                                  param_hint="--suite-models")
+    engine_names = [e.strip() for e in engines.split(",") if e.strip()]
+    unknown = [e for e in engine_names if e not in SUITE_RUNNERS]
+    if unknown or not engine_names:
+        raise click.BadParameter(f"unknown suite engine(s) {unknown}; known: {', '.join(SUITE_RUNNERS)}",
+                                 param_hint="--suite-engines")
     if engine["dtype"] == "auto":
         engine["dtype"] = "bfloat16"  # the suite measures bfloat16 (a --dtype given is kept: float32 for a rehearsal)
     config = dataclasses.asdict(engine_config(engine))
@@ -303,7 +319,7 @@ def _suite(models: str, num_requests: int, peer_requests: int, hf_batch_size: st
         if json_path:
             write_suite_json(report, json_path)
 
-    report = run_suite(names, num_requests, peer_requests, list(SUITE_ENGINES), config, run,
+    report = run_suite(names, num_requests, peer_requests, engine_names, config, run,
                        log=lambda m: click.echo(m, err=True), on_row=on_row)
     click.echo(format_suite(report))
     if json_path:

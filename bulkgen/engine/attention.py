@@ -167,6 +167,7 @@ class TritonStep:
     decode_block_tables: torch.Tensor  # [num_decodes, max_blocks]
     decode_context_lens: torch.Tensor  # [num_decodes]
     decode_splits: int  # splits of each decoding sequence's blocks (flash-decoding)
+    decode_params: torch.Tensor  # [2] the tables' row stride, blocks a split (gpu/attention.decode_params)
     tile_chunks: torch.Tensor  # [num_tiles] the prefill chunk of each tile of query rows
     tile_rows: torch.Tensor  # [num_tiles] its first row within the chunk
     chunk_offsets: torch.Tensor  # [num_chunks] first token of each chunk in the flattened batch
@@ -309,14 +310,15 @@ def _attend_triton(step: TritonStep, query: torch.Tensor, key: torch.Tensor, val
     from bulkgen.engine.gpu import attention as triton_attention  # here: triton is optional
 
     triton_attention.write_kv(key, value, step.slots, k_cache, v_cache)
-    # the kernels index rows as [token, head, dim] in order: a transposed query (gpt-oss's RoPE makes one) is
-    # copied, and `out` is laid out so whatever the query's strides (empty_like would keep them)
-    query = query.contiguous()
+    # the kernels read a token's heads one after the other, its rows any stride apart (rows_of_heads: a transposed
+    # query, as gpt-oss's RoPE makes, is copied once here); `out` is contiguous, whatever the query's strides
+    query = triton_attention.rows_of_heads(query)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     num_decodes = step.decode_context_lens.shape[0]
     if num_decodes:  # into the step's output rows: no copy
         triton_attention.decode(query[:num_decodes], k_cache, v_cache, step.decode_block_tables,
-                                step.decode_context_lens, scale, step.decode_splits, spec, out=out[:num_decodes])
+                                step.decode_context_lens, scale, step.decode_splits, spec, out=out[:num_decodes],
+                                params=step.decode_params)
     triton_attention.prefill(query, k_cache, v_cache, out, step.tile_chunks, step.tile_rows,  # none without chunks
                              step.chunk_offsets, step.chunk_lens, step.chunk_starts, step.chunk_block_tables, scale,
                              spec)

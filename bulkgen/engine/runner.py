@@ -144,7 +144,11 @@ class ModelRunner:
             self._calls, self._mask_windows = None, None
 
     def limit_context(self, max_model_len: int) -> None:
-        """The engine's cap on a sequence's tokens: decode graphs' block tables are that wide."""
+        """The engine's cap on a sequence's tokens (decode graphs' block tables are that wide); then, on a GPU, the
+        warm-up and every decode graph's capture, so that the run compiles and captures nothing."""
+        self.max_model_len = max_model_len
+        if self.use_triton and self.device.type == "cuda":
+            self.warm_up()
         if self.use_graphs:
             from bulkgen.engine.gpu.graphs import DecodeGraphs  # here: triton is optional
 
@@ -153,6 +157,39 @@ class ModelRunner:
                 block_size=self.block_size,
                 max_blocks_per_seq=-(-max_model_len // self.block_size), max_num_seqs=self.config.max_num_seqs,
                 num_kv_heads=self.shape.num_kv_heads, device=self.device, windows=self.windows)
+            self.decode_graphs.capture_all()
+
+    def warm_up(self) -> list[int]:
+        """Triton path: before any request, a step for each decode split count a run can meet, and a mixed step
+        (a decode and a prefill chunk): Triton compiles a kernel variant on its first launch, a second or two on a
+        GPU, and those would fall inside the run (tests/test_triton_specializations.py checks that a run asks for
+        none past these). Its steps write block 0 only, which nothing holds yet. Returns the split counts."""
+        bs, groups = self.block_size, self.layout.num_groups
+        max_blocks = -(-self.max_model_len // bs)
+
+        def sequence(num_tokens: int, num_blocks: int, num_new: int) -> ScheduledSeq:
+            seq = Sequence("warm-up", [0] * num_tokens, SamplingParams(max_new_tokens=1))
+            seq.block_tables = [[0] * num_blocks for _ in range(groups)]
+            seq.num_computed_tokens = num_tokens - num_new
+            return ScheduledSeq(seq, num_new)
+
+        from bulkgen.engine.gpu import attention as triton_attention  # here: triton is optional
+
+        def splits(num_blocks: int) -> int:  # as gpu/step.py chooses them for one sequence
+            kv_heads = self.shape.num_kv_heads
+            return triton_attention.decode_splits(1, kv_heads, num_blocks,
+                                                  triton_attention.decode_programs(self.device, 1, kv_heads))
+
+        widths = {}  # split count -> a table width that gives it; fewer sequences never give fewer splits
+        width = 1
+        while width <= max_blocks:
+            widths.setdefault(splits(width), width)
+            width *= 2
+        widths.setdefault(splits(max_blocks), max_blocks)
+        for width in widths.values():
+            self.execute([sequence(min(width * bs, self.max_model_len), width, 1)])
+        self.execute([sequence(1, 1, 1), sequence(2, 1, 2)])
+        return sorted(widths)
 
     def _use_graphs(self) -> bool:
         if not self.config.cuda_graphs:

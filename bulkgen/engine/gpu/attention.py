@@ -57,7 +57,7 @@ def _softcap(s, softcap, HAS_SOFTCAP: tl.constexpr):
 # (tests/test_triton_specializations.py counts them)
 VARYING = {
     "_write_kv_kernel": ("num_tokens", "k_token_stride", "k_head_stride", "v_token_stride", "v_head_stride"),
-    "_decode_kernel": ("table_stride", "blocks_per_split", "window"),
+    "_decode_kernel": ("window",),
     "_prefill_kernel": ("table_stride", "window"),
 }
 
@@ -92,8 +92,8 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor, k_cach
 
 
 @triton.jit(do_not_specialize=VARYING["_decode_kernel"])
-def _decode_kernel(q, k_cache, v_cache, block_tables, table_stride, context_lens, out, part_acc, part_ml, scale,
-                   blocks_per_split, window, softcap, sinks, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+def _decode_kernel(q, q_stride, k_cache, v_cache, block_tables, params, context_lens, out, part_acc, part_ml,
+                   scale, window, softcap, sinks, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                    GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_F32: tl.constexpr,
                    HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr):
@@ -104,8 +104,11 @@ def _decode_kernel(q, k_cache, v_cache, block_tables, table_stride, context_lens
     head_ok = g < GROUP
     d_ok = d < HEAD_DIM
     heads = kv_head * GROUP + g
-    qt = tl.load(q + (seq * NUM_HEADS + heads[:, None]) * HEAD_DIM + d[None, :],
+    qt = tl.load(q + seq * q_stride + heads[:, None] * HEAD_DIM + d[None, :],
                  mask=head_ok[:, None] & d_ok[None, :], other=0.0)  # [G_PAD, D_PAD]
+    # read on the device, so that a CUDA graph's replay takes the step's table width and split size
+    table_stride = tl.load(params)
+    blocks_per_split = tl.load(params + 1)
     context = tl.load(context_lens + seq)
     lowest = tl.where(window > 0, tl.maximum(context - window, 0), 0)  # a sliding window's first position
     first = split * blocks_per_split
@@ -184,34 +187,58 @@ def decode_splits(num_seqs: int, num_kv_heads: int, max_blocks: int, num_program
     return 1 << (max(1, wanted).bit_length() - 1)
 
 
+def rows_of_heads(x: torch.Tensor) -> torch.Tensor:
+    """x [tokens, heads, head_dim] as the kernels read it: each token's heads one after the other, its rows any
+    stride apart (a view of the fused qkv projection is read in place); else a contiguous copy (a transposed
+    query: gpt-oss's RoPE makes one)."""
+    if x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+        return x
+    return x.contiguous()
+
+
+def decode_programs(device: torch.device, num_seqs: int, num_kv_heads: int) -> int:
+    """The decode programs a step aims at: about 256 on a GPU (its SMs a few times over); in the CPU interpreter
+    (tests) two splits a sequence are proof enough."""
+    return 256 if device.type == "cuda" else 2 * num_seqs * num_kv_heads
+
+
+def decode_params(table_width: int, num_splits: int) -> list[int]:
+    """The decode kernel's two ints read on the device: the block tables' row stride and blocks a split."""
+    return [table_width, triton.cdiv(table_width, num_splits)]
+
+
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
            context_lens: torch.Tensor, scale: float, num_splits: int | None = None,
-           layer: LayerAttention = FULL, out: torch.Tensor | None = None) -> torch.Tensor:
+           layer: LayerAttention = FULL, out: torch.Tensor | None = None,
+           params: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention: q [num_seqs, num_heads, head_dim]; block_tables [num_seqs, max_blocks] and
     context_lens [num_seqs] (int32); returns [num_seqs, num_heads, head_dim] in q's dtype, written into `out`
-    where given (contiguous, as the kernel writes it: the step's output rows, no copy)."""
+    where given (contiguous, as the kernel writes it: the step's output rows, no copy). params: decode_params
+    as int32 on the device where the step holds them (its one copy; a graph's replay rewrites them), the tables'
+    rows then params[0] apart; else from block_tables' shape."""
     num_seqs, num_heads, head_dim = q.shape
     _, num_kv_heads, block_size, _ = k_cache.shape
-    q = q.contiguous()
+    q = rows_of_heads(q)
     if out is None:
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     assert out.is_contiguous() and out.shape == q.shape
     if num_seqs == 0:
         return out
     group = num_heads // num_kv_heads
     g_pad = max(MIN_DOT, triton.next_power_of_2(group))
     d_pad = max(MIN_DOT, triton.next_power_of_2(head_dim))
-    max_blocks = block_tables.shape[1]
-    splits = num_splits or decode_splits(num_seqs, num_kv_heads, max_blocks)
-    blocks_per_split = triton.cdiv(max_blocks, splits)
+    splits = num_splits or decode_splits(num_seqs, num_kv_heads, block_tables.shape[1])
+    if params is None:
+        params = torch.tensor([block_tables.stride(0), triton.cdiv(block_tables.shape[1], splits)], dtype=torch.int32,
+                              device=q.device)
     part_acc = torch.empty((num_seqs, num_kv_heads, splits, g_pad, d_pad) if splits > 1 else (1,),
                            dtype=torch.float32, device=q.device)
     part_ml = torch.empty((num_seqs, num_kv_heads, splits, 2, g_pad) if splits > 1 else (1,), dtype=torch.float32,
                           device=q.device)
     sinks = _sinks(layer, q)
     _decode_kernel[(num_seqs, num_kv_heads, splits)](
-        q, k_cache, v_cache, block_tables, block_tables.stride(0), context_lens, out, part_acc, part_ml, scale,
-        blocks_per_split, layer.window, layer.softcap or 1.0, sinks, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
+        q, q.stride(0), k_cache, v_cache, block_tables, params, context_lens, out, part_acc, part_ml, scale,
+        layer.window, layer.softcap or 1.0, sinks, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
         GROUP=group, G_PAD=g_pad, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size, NUM_SPLITS=splits,
         DOT_F32=INTERPRET or q.dtype == torch.float32, HAS_SOFTCAP=layer.softcap > 0,
         HAS_SINKS=layer.sinks is not None)
@@ -224,8 +251,8 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_
 
 
 @triton.jit(do_not_specialize=VARYING["_prefill_kernel"])
-def _prefill_kernel(q, k_cache, v_cache, out, tile_chunks, tile_rows, chunk_offsets, chunk_lens, chunk_starts,
-                    block_tables, table_stride, scale, window, softcap, sinks, NUM_HEADS: tl.constexpr,
+def _prefill_kernel(q, q_stride, k_cache, v_cache, out, tile_chunks, tile_rows, chunk_offsets, chunk_lens,
+                    chunk_starts, block_tables, table_stride, scale, window, softcap, sinks, NUM_HEADS: tl.constexpr,
                     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                     D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, DOT_F32: tl.constexpr,
                     HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr):
@@ -242,8 +269,8 @@ def _prefill_kernel(q, k_cache, v_cache, out, tile_chunks, tile_rows, chunk_offs
     r = tl.arange(0, BLOCK_SIZE)
     row_ok = (qi < length) & (g < GROUP)
     d_ok = d < HEAD_DIM
-    q_offsets = ((offset + qi) * NUM_HEADS + kv_head * GROUP + g)[:, None] * HEAD_DIM + d[None, :]
-    qt = tl.load(q + q_offsets, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    heads = (kv_head * GROUP + g)[:, None] * HEAD_DIM + d[None, :]
+    qt = tl.load(q + (offset + qi)[:, None] * q_stride + heads, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     position = start + qi  # each query row's position in its sequence
     m = tl.full([BLOCK_M * G_PAD], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_M * G_PAD], tl.float32)
@@ -277,7 +304,8 @@ def _prefill_kernel(q, k_cache, v_cache, out, tile_chunks, tile_rows, chunk_offs
         acc = acc * tl.exp(m - m_all)[:, None]
         total = total * tl.exp(m - m_all) + tl.exp(sink - m_all)
     o = acc / tl.where(total == 0.0, 1.0, total)[:, None]
-    tl.store(out + q_offsets, o.to(out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(out + (offset + qi)[:, None] * (NUM_HEADS * HEAD_DIM) + heads, o.to(out.dtype.element_ty),
+             mask=row_ok[:, None] & d_ok[None, :])
 
 
 def prefill_tiles(chunk_lens: list[int], block_m: int) -> tuple[list[int], list[int]]:
@@ -300,7 +328,8 @@ def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: 
             chunk_lens: torch.Tensor, chunk_starts: torch.Tensor, block_tables: torch.Tensor, scale: float,
             layer: LayerAttention = FULL) -> None:
     """Attention of every prefill chunk of a step, in one launch, into `out` (rows of q's shape).
-    q, out: [num_tokens, num_heads, head_dim] (the step's flattened tokens); per chunk (int32): its offset in
+    q, out: [num_tokens, num_heads, head_dim] (the step's flattened tokens; q as rows_of_heads, out contiguous); per
+    chunk (int32): its offset in
     them, its length, the tokens cached before it, its block table row; tiles from prefill_tiles."""
     num_tiles = tile_chunks.shape[0]
     if num_tiles == 0:
@@ -310,10 +339,12 @@ def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: 
     group = num_heads // num_kv_heads
     g_pad = triton.next_power_of_2(group)
     block_m = prefill_block_m(group)
+    q = rows_of_heads(q)
+    assert out.is_contiguous()
     _prefill_kernel[(num_tiles, num_kv_heads)](
-        q, k_cache, v_cache, out, tile_chunks, tile_rows, chunk_offsets, chunk_lens, chunk_starts, block_tables,
-        block_tables.stride(0), scale, layer.window, layer.softcap or 1.0, _sinks(layer, q), NUM_HEADS=num_heads,
-        NUM_KV_HEADS=num_kv_heads, GROUP=group, G_PAD=g_pad, HEAD_DIM=head_dim,
+        q, q.stride(0), k_cache, v_cache, out, tile_chunks, tile_rows, chunk_offsets, chunk_lens, chunk_starts,
+        block_tables, block_tables.stride(0), scale, layer.window, layer.softcap or 1.0, _sinks(layer, q),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, G_PAD=g_pad, HEAD_DIM=head_dim,
         D_PAD=max(MIN_DOT, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size, BLOCK_M=block_m,
         DOT_F32=INTERPRET or q.dtype == torch.float32, HAS_SOFTCAP=layer.softcap > 0,
         HAS_SINKS=layer.sinks is not None)

@@ -1,11 +1,15 @@
 """Decode steps replayed as CUDA graphs: a pure-decode step's hundreds of small launches become one.
 
-A graph is captured per bucket of batch sizes (1, 2, 4, 8, ... up to --max-num-seqs), lazily the first time
-a step of that size runs, over static buffers: one int32 device buffer holds the step's input ids, positions,
-cache slots, block tables (as wide as the longest sequence allowed) and context lengths; a replay fills its
-pinned host twin, copies it in one transfer, and replays. A step smaller than its bucket pads the rest with
-rows that decode token 0 at position 0 into a scratch block of the cache that no sequence owns, so they read
-and write nothing real. Prefill and mixed steps, and decode steps larger than the largest bucket, run eagerly.
+A graph is captured per bucket of batch sizes (1, 2, 4, 8, ... up to --max-num-seqs), all of them when the
+engine starts (largest first, sharing one memory pool), over static buffers: one int32 device buffer holds the
+decode kernel's two ints (gpu/attention.decode_params), the step's input ids, positions, cache slots, context
+lengths and, last, its block tables. The tables' rows are as wide as the step's widest table, not the longest
+sequence allowed: the kernel reads their stride and its blocks a split from the buffer, so a replay copies one
+contiguous prefix of it (the rows of the bucket, the width in use) from its pinned host twin and replays, and
+every split of a graph's fixed count takes an even share of the real blocks. A step smaller than its bucket pads
+the rest with rows that decode token 0 at position 0 into a scratch block of the cache that no sequence owns, so
+they read and write nothing real. Prefill and mixed steps, and decode steps larger than the largest bucket, run
+eagerly.
 
 Without a GPU (tests, in Triton's interpreter) the same static buffers and padding run eagerly instead of
 being captured: everything but the capture itself is checked against Hugging Face's generate().
@@ -20,6 +24,7 @@ import torch
 
 from bulkgen.engine.attention import AttentionMetadata, TritonStep
 from bulkgen.engine.gpu import attention as triton_attention
+from bulkgen.engine.gpu.step import ALIGN
 
 
 def buckets(max_num_seqs: int) -> list[int]:
@@ -49,26 +54,42 @@ class DecodeGraphs:
         self.windows = windows  # each layer's sliding window (AttentionMetadata.windows)
         self.k_caches, self.v_caches = k_caches, v_caches
         self.scratch_block, self.block_size = scratch_block, block_size
-        self.width = max_blocks_per_seq
+        self.width = max_blocks_per_seq  # the widest table a step may have
         self.sizes = buckets(max_num_seqs)
         self.num_kv_heads = num_kv_heads
         self.device = device
         self.capture = device.type == "cuda"
-        largest = self.sizes[-1]
-        # [ids | positions | slots | context lens | tables], each a column block of `largest` rows
-        self._sizes = [largest, largest, largest, largest, largest * self.width]
-        total = sum(self._sizes)
+        rows = -(-self.sizes[-1] // ALIGN) * ALIGN  # each section on 16 bytes, as gpu/step.py's
+        # [decode params | ids | positions | slots | context lens | tables], the tables last: a replay copies a prefix
+        self._starts = [0, ALIGN, ALIGN + rows, ALIGN + 2 * rows, ALIGN + 3 * rows, ALIGN + 4 * rows]
+        total = self._starts[-1] + self.sizes[-1] * self.width
         self.host = torch.zeros(total, dtype=torch.int32, pin_memory=self.capture)
         self.buffer = torch.zeros(total, dtype=torch.int32, device=device)
-        self._host_parts = [p.numpy() for p in torch.split(self.host, self._sizes)]
-        self._parts = torch.split(self.buffer, self._sizes)
-        self.keep = torch.arange(largest, dtype=torch.long, device=device)
+        self._host = self.host.numpy()
+        self.keep = torch.arange(self.sizes[-1], dtype=torch.long, device=device)
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.graphs: dict[int, _Graph] = {}
+        self.copied = 0  # int32s the last replay copied to the device
 
     def bucket(self, num_seqs: int) -> int | None:
         """The smallest bucket that holds num_seqs decodes, or None (the step runs eagerly)."""
         return next((size for size in self.sizes if size >= num_seqs), None)
+
+    def splits(self, size: int) -> int:
+        """A bucket's split count, fixed in its graph: for its rows over the widest table allowed (a replay's
+        blocks a split follow the width in use)."""
+        return triton_attention.decode_splits(size, self.num_kv_heads, self.width,
+                                              triton_attention.decode_programs(self.device, size, self.num_kv_heads))
+
+    @torch.inference_mode()
+    def capture_all(self) -> None:
+        """Every bucket's graph, largest first (the pool's memory is then reused by the smaller ones): at engine
+        start, so that no capture, and no kernel compile, falls inside a run."""
+        for size in reversed(self.sizes):
+            if size not in self.graphs:
+                self._fill([], [], [], [], [], size)  # padding rows only: the warm-up and capture touch nothing real
+                self._copy(size, 1)
+                self._make(size)
 
     @torch.inference_mode()
     def run(self, input_ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
@@ -77,33 +98,42 @@ class DecodeGraphs:
         n = len(input_ids)
         size = self.bucket(n)
         assert size is not None, "more decodes than the largest bucket run eagerly"
-        self._fill(input_ids, positions, slots, tables, context_lens, size)
-        self.buffer.copy_(self.host, non_blocking=True)
+        width = self._fill(input_ids, positions, slots, tables, context_lens, size)
+        self._copy(size, width)
         graph = self.graphs.get(size) or self._make(size)
         return graph.run()[:n].float()
 
     def _fill(self, input_ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
-              context_lens: list[int], size: int) -> None:
-        ids, pos, slot, lens, table = self._host_parts
+              context_lens: list[int], size: int) -> int:
+        """The step's rows into the host buffer, padded to its bucket; returns the tables' width."""
+        params, ids, pos, slot, lens = (self._host[a:b] for a, b in zip(self._starts, self._starts[1:], strict=False))
         n = len(input_ids)
+        width = max((len(blocks) for blocks in tables), default=1)
+        params[:2] = triton_attention.decode_params(width, self.splits(size))
         ids[:n], pos[:n], slot[:n], lens[:n] = input_ids, positions, slots, context_lens
-        rows = table[:size * self.width].reshape(size, self.width)
+        rows = self._host[self._starts[-1]:self._starts[-1] + size * width].reshape(size, width)
         for i, blocks in enumerate(tables):
             rows[i, :len(blocks)] = blocks
         # padding rows: token 0 at position 0, written to and read from the scratch block only
         ids[n:size], pos[n:size], lens[n:size] = 0, 0, 1
         slot[n:size] = self.scratch_block * self.block_size
         rows[n:size, 0] = self.scratch_block
+        return width
+
+    def _copy(self, size: int, width: int) -> None:
+        """The buffer's prefix in use (the params, the rows' sections, size x width table entries) in one copy."""
+        self.copied = self._starts[-1] + size * width
+        self.buffer[:self.copied].copy_(self.host[:self.copied], non_blocking=True)
 
     def _make(self, size: int) -> _Graph:
-        ids, pos, slots, lens, tables = self._parts
+        params, ids, pos, slots, lens = (self.buffer[a:b] for a, b in zip(self._starts, self._starts[1:],
+                                                                           strict=False))
         empty = self.buffer[:0]
         step = TritonStep(
-            slots=slots[:size], decode_block_tables=tables[:size * self.width].view(size, self.width),
-            decode_context_lens=lens[:size],
-            # fixed per graph, for the longest context allowed: splits past a sequence's blocks are empty
-            decode_splits=triton_attention.decode_splits(size, self.num_kv_heads, self.width,
-                                                         256 if self.capture else 2 * size * self.num_kv_heads),
+            slots=slots[:size],
+            # rows params[0] apart (the replay's width), not this view's: the kernel reads the stride it is given
+            decode_block_tables=self.buffer[self._starts[-1]:].view(self.sizes[-1], self.width)[:size],
+            decode_context_lens=lens[:size], decode_splits=self.splits(size), decode_params=params[:2],
             tile_chunks=empty, tile_rows=empty, chunk_offsets=empty, chunk_lens=empty, chunk_starts=empty,
             chunk_block_tables=empty.view(0, 0))
         meta = AttentionMetadata(k_caches=self.k_caches, v_caches=self.v_caches, slots=step.slots,
@@ -120,7 +150,7 @@ class DecodeGraphs:
             graph = _Graph(size, meta, eager)
         else:
             # Warm up outside the graph (Triton compiles on a first launch; allocator pools settle), then
-            # capture. The static host buffer holds this step's rows already: the warm-up computes them, and
+            # capture. The static buffer holds this step's rows already: the warm-up computes them, and
             # its writes are the same as the replay's, which follows.
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))

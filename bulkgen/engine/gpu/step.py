@@ -26,14 +26,19 @@ def triton_step(input_ids: list[int], positions: list[int], keep: list[int], slo
     chunk_width = max((len(c[3]) for c in chunks), default=0)
     tile_chunks, tile_rows = triton_attention.prefill_tiles([c[1] for c in chunks],
                                                             triton_attention.prefill_block_m(group))
-    sizes = [len(input_ids), len(positions), len(keep), len(slots), num_decodes * decode_width, num_decodes,
-             len(tile_chunks), len(tile_rows), num_chunks, num_chunks, num_chunks, num_chunks * chunk_width]
+    splits = triton_attention.decode_splits(num_decodes, num_kv_heads, decode_width,
+                                            triton_attention.decode_programs(device, num_decodes, num_kv_heads))
+    params = triton_attention.decode_params(decode_width, splits)
+    sizes = [len(params), len(input_ids), len(positions), len(keep), len(slots), num_decodes * decode_width,
+             num_decodes, len(tile_chunks), len(tile_rows), num_chunks, num_chunks, num_chunks,
+             num_chunks * chunk_width]
     # each section starts on 16 bytes: Triton specializes a pointer on its 16-byte alignment, and sections at
     # arbitrary offsets would compile a kernel variant for each pattern of them
     starts_at = np.concatenate([[0], np.cumsum([-(-n // ALIGN) * ALIGN for n in sizes])])
     host = np.zeros(int(starts_at[-1]), dtype=np.int32)
-    (ids, pos, kept, slot, tables, lens, t_chunks, t_rows, offsets, lengths, starts,
+    (decode_params, ids, pos, kept, slot, tables, lens, t_chunks, t_rows, offsets, lengths, starts,
      chunk_tables) = (host[a:a + n] for a, n in zip(starts_at, sizes, strict=False))
+    decode_params[:] = params
     ids[:], pos[:], kept[:], slot[:], lens[:] = input_ids, positions, keep, slots, decode_context_lens
     tables = tables.reshape(num_decodes, decode_width)
     for i, table in enumerate(decode_tables):
@@ -48,10 +53,8 @@ def triton_step(input_ids: list[int], positions: list[int], keep: list[int], slo
         buffer = buffer.pin_memory().to(device, non_blocking=True)
     views = [buffer[a:a + n] for a, n in zip(starts_at.tolist(), sizes, strict=False)]
     step = TritonStep(
-        slots=views[3], decode_block_tables=views[4].view(num_decodes, decode_width), decode_context_lens=views[5],
-        # about 256 programs on a GPU; in the CPU interpreter (tests) two splits a sequence are proof enough
-        decode_splits=triton_attention.decode_splits(num_decodes, num_kv_heads, decode_width,
-                                                     256 if device.type == "cuda" else 2 * num_decodes * num_kv_heads),
-        tile_chunks=views[6], tile_rows=views[7], chunk_offsets=views[8], chunk_lens=views[9],
-        chunk_starts=views[10], chunk_block_tables=views[11].view(num_chunks, chunk_width))
-    return step, views[0].long(), views[1].long(), views[2].long()
+        slots=views[4], decode_block_tables=views[5].view(num_decodes, decode_width), decode_context_lens=views[6],
+        decode_splits=splits, decode_params=views[0],
+        tile_chunks=views[7], tile_rows=views[8], chunk_offsets=views[9], chunk_lens=views[10],
+        chunk_starts=views[11], chunk_block_tables=views[12].view(num_chunks, chunk_width))
+    return step, views[1].long(), views[2].long(), views[3].long()
