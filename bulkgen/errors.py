@@ -26,7 +26,13 @@ class ModelError(BulkgenError):
 
 
 class StoreError(BulkgenError):
-    """The job store failed (database unreachable, schema too new, transaction failed)."""
+    """The job store failed (database unreachable, schema too new, transaction failed). `transient`: the kind a
+    worker waits out (the server restarting, a dropped connection, a lock held past the busy timeout), not the
+    kind that stops it (a full disk, a dropped table, bad credentials)."""
+
+    def __init__(self, message: str, transient: bool = False) -> None:
+        super().__init__(message)
+        self.transient = transient
 
 
 class NotFoundError(BulkgenError):

@@ -15,6 +15,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from bulkgen.errors import StoreError
 from bulkgen.store import queue as q
 from bulkgen.store.db import Store
 
@@ -36,7 +37,9 @@ class Heartbeat(threading.Thread):
             try:
                 with self.store.session_scope(write=True) as session:
                     q.heartbeat(session, self.worker_id, self.lease_s)
-            except Exception as exc:  # keep trying: the database may be briefly unreachable
+            except StoreError as exc:  # keep trying: a database away is the worker's outage to say (outage.py)
+                (log.debug if exc.transient else log.warning)("bulkgen: heartbeat failed: %s", exc)
+            except Exception as exc:
                 log.warning("bulkgen: heartbeat failed: %s", exc)
 
     def stop(self) -> None:

@@ -35,6 +35,7 @@ class Progress:
         self.log_every_s = log_every_s
         self.last_log = self.start
         self.enabled = enabled
+        self.status: str | None = None  # a state the line shows while it lasts ("database unavailable since ...")
         self._samples: deque[tuple[float, int]] = deque([(self.start, 0)])
         self.bar = None
         if enabled and self.stream.isatty():
@@ -107,14 +108,18 @@ class Progress:
 
     def line(self) -> str:
         elapsed = time.monotonic() - self.start
+        status = f" · {self.status}" if self.status else ""
         return (f"bulkgen run: {self.done}/{self.total} requests · {self.num_output_tokens:,} tokens generated · "
-                f"{self.output_rate:.1f} output tok/s · elapsed {format_duration(elapsed)} · ETA {self._eta_text()}")
+                f"{self.output_rate:.1f} output tok/s · elapsed {format_duration(elapsed)} · ETA {self._eta_text()}"
+                f"{status}")
 
     def _show(self, now: float) -> None:
         if not self.enabled:
             return
         if self.bar is not None:
-            self.bar.set_postfix_str(f"{self.output_rate:.1f} out tok/s, ETA {self._eta_text()}", refresh=False)
+            status = f", {self.status}" if self.status else ""
+            self.bar.set_postfix_str(f"{self.output_rate:.1f} out tok/s, ETA {self._eta_text()}{status}",
+                                     refresh=False)
             if now - self.last_log >= 1.0:
                 self.last_log = now
                 self.bar.refresh()

@@ -23,8 +23,9 @@ from typing import Any
 
 from bulkgen.api import OUTPUT_COLUMNS, Generate  # the engine as a Ray Data stage (it needs no Ray itself)
 from bulkgen.config import EngineConfig
-from bulkgen.errors import BulkgenError, ConfigError
+from bulkgen.errors import BulkgenError, ConfigError, StoreError
 from bulkgen.lease import on_stop_signals
+from bulkgen.outage import Outage
 from bulkgen.progress import Progress
 from bulkgen.store import jobs as job_ops
 from bulkgen.store import queue as q
@@ -158,17 +159,22 @@ class RaySummary:
     seconds: float
     errors: list[str]
     stopped_by: str | None
+    db_outages: int = 0  # times the driver found the database unavailable, and for how long in all
+    db_outage_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         total = {key: sum(w[key] for w in self.per_worker)
                  for key in ("completed", "failed", "released", "num_prompt_tokens", "num_output_tokens")}
         return {"workers": self.workers, "nodes": self.nodes, **total, "seconds": round(self.seconds, 2),
                 "output_tok_per_s": round(total["num_output_tokens"] / self.seconds, 2) if self.seconds else None,
-                "stopped_by": self.stopped_by, "errors": self.errors, "per_worker": self.per_worker}
+                "stopped_by": self.stopped_by, "errors": self.errors, "db_outages": self.db_outages,
+                "db_outage_s": round(self.db_outage_s, 1), "per_worker": self.per_worker}
 
     def line(self) -> str:
         d = self.to_dict()
         stop = f" · stopped by {self.stopped_by}, {d['released']} requests released" if self.stopped_by else ""
+        if self.db_outages:
+            stop += f" · database unavailable {self.db_outages} time(s), {self.db_outage_s:.0f}s in all (waited out)"
         return (f"bulkgen run --ray: {self.workers} workers on {self.nodes} node(s) · {d['completed']} completed · "
                 f"{d['failed']} failed · {d['num_output_tokens']:,} output tokens in {self.seconds:.1f}s · "
                 f"{d['output_tok_per_s'] or 0:.1f} output tok/s{stop}")
@@ -212,7 +218,7 @@ def run_on_ray(store: Store, db_url: str, engine_config: EngineConfig, options: 
         stop.restore()
         follower.close()
     return RaySummary(placement.workers, placement.num_nodes, per_worker, time.monotonic() - start, errors,
-                      stop.signal_name)
+                      stop.signal_name, follower.outage.num_outages, follower.outage.seconds_down)
 
 
 class _Follower:
@@ -225,6 +231,7 @@ class _Follower:
         self.progress = Progress(totals.num_requests, totals.num_done, totals.budget_left, enabled=enabled,
                                  log_every_s=log_every_s)
         self.done, self.budget_left, self.generated = totals.num_done, totals.budget_left, 0
+        self.outage = Outage(float("inf"))  # the driver follows; the actors' own --db-outage-s decides
 
     def _read(self) -> tuple[q.QueueTotals, int]:
         started = time.monotonic()
@@ -251,7 +258,15 @@ class _Follower:
         self.generated = generated
         if time.monotonic() < self.next_read:
             return
-        totals, tokens = self._read()
+        try:
+            totals, tokens = self._read()
+        except StoreError as exc:  # the actors wait it out (worker.py); the driver says so on its line
+            self.outage.failed(exc)
+            self.progress.status = self.outage.status()
+            self.next_read = time.monotonic() + POLL_S
+            return
+        self.outage.ok()
+        self.progress.status = None
         if totals.num_done > self.done:
             self.progress.finished(totals.num_done - self.done, tokens - self.tokens,
                                    max(0, self.budget_left - totals.budget_left))

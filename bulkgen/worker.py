@@ -8,6 +8,10 @@ claim -> add -> step -> write:
 - write: finished outputs become result rows, committed in small transactions (writer.py), so a crash
   loses at most what was generated since the last commit and never a committed row.
 
+A database that goes away (a restart, a failover, a dropped connection) is waited out (outage.py): the loop
+claims nothing, keeps stepping what it holds, keeps the rows, and its next write is the probe; each store call
+goes through `_db`, which starts, extends or ends the outage.
+
 The lease and its heartbeat, and the signals that drain a run, live in lease.py. (Over 300 lines: the
 loop's named steps, its shutdown and the run's options and summary stay together, one class that a
 reader follows top to bottom.)
@@ -28,6 +32,7 @@ from bulkgen.config import EngineConfig, SamplingParams, request_sampling
 from bulkgen.engine.protocol import EngineProtocol
 from bulkgen.errors import ConfigError, PromptTooLongError, StoreError
 from bulkgen.lease import Heartbeat, on_stop_signals
+from bulkgen.outage import Outage
 from bulkgen.packing import admission_for, check_packing
 from bulkgen.progress import Progress
 from bulkgen.store import queue as q
@@ -55,10 +60,15 @@ class WorkerOptions:
     poll_s: float = 2.0
     progress: bool = True
     log_every_s: float = 30.0
+    db_outage_s: float = 900.0  # how long the database may be away before the run stops (transient errors only)
+    max_kept_rows: int = 4096  # rows kept while the database is away; past them the engine pauses
 
     def __post_init__(self) -> None:
         if self.lease_s <= 0 or self.commit_rows < 1 or self.commit_interval_s <= 0 or self.max_attempts < 1:
             raise ConfigError("lease, commit interval and commit rows must be positive, max attempts >= 1")
+        if self.db_outage_s < 0:
+            raise ConfigError(f"--db-outage-s must be >= 0 (0: stop at the first database error), got "
+                              f"{self.db_outage_s:g}")
         check_packing(self.packing)
 
 
@@ -106,20 +116,20 @@ class Worker:
         self.writer = ResultWriter(store, self.worker_id, self.options.commit_rows, self.options.commit_interval_s)
         self._progress: Progress | None = None
         self.num_generated = 0  # output tokens generated in this run, committed or not (a Ray driver sums them)
+        self.outage = Outage(self.options.db_outage_s)
 
     # ------------------------------------------------------------------ the run
 
     def run(self) -> RunSummary:
         start = time.monotonic()
-        with self.store.session_scope(write=True) as session:
-            q.register_worker(session, self.worker_id)
+        self._db(lambda: self._in_session(q.register_worker, self.worker_id), wait=True)
         heartbeat = Heartbeat(self.store, self.worker_id, self.options.lease_s)
         heartbeat.start()
         restore = on_stop_signals(self._on_signal, lambda: self._stop_requested is not None)
         error: BaseException | None = None
         try:
             while self._stop_requested is None:
-                jobs = self._runnable_jobs()
+                jobs = self._db(self._runnable_jobs, wait=True)
                 if not jobs:
                     if not self.options.wait:
                         break
@@ -155,7 +165,7 @@ class Worker:
     def _runnable_jobs(self) -> list[Job]:
         with self.store.session_scope(write=True) as session:
             dead = q.dead_local_workers(session)
-            q.reclaim_expired(session, self.options.max_attempts, dead)
+            q.reclaim_expired(session, self.options.max_attempts, dead, self.options.lease_s)
             jobs = q.runnable_jobs(session, list(self.options.job_ids))
             if jobs:
                 q.settle_jobs(session, [job.id for job in jobs])
@@ -183,18 +193,56 @@ class Worker:
                 self._drain(engine)
                 if not engine.has_unfinished():
                     break
-            elif now >= pace.next_claim:
-                claimed += self._claim_if_due(engine, job_ids, params, pace, now)
-            if engine.has_unfinished():
+            elif now >= pace.next_claim and not self.outage.down:  # nothing new while the database is away
+                claimed += self._db(lambda at=now: self._claim_if_due(engine, job_ids, params, pace, at)) or 0
+            if engine.has_unfinished() and not self._kept_full():
                 self._step(engine)
+            elif self.outage.down:
+                self.outage.wait()  # idle, or holding all it may keep: until the next try
             elif self._stop_requested is None and now < pace.next_claim:
                 break  # the engine is idle and the queue had nothing: these jobs are done
-            if self.writer.is_due():
-                self._write(job_ids)
-            self._drop_lost(engine, pace)
+            if self.writer.is_due() or (self.outage.down and self.outage.due()):
+                self._write(job_ids)  # while the database is away, also its probe
+            if not self.outage.down:
+                self._drop_lost(engine, pace)
+            self._show_outage()
         self._write(job_ids)
+        while self.writer.has_rows:  # what is left, once the database takes it (or past --db-outage-s, raised)
+            self.outage.wait()
+            self._write(job_ids)
         self.summary.num_preemptions += engine.stats.num_preemptions - preemptions_before
         return claimed
+
+    def _db(self, call: Callable[[], Any], wait: bool = False) -> Any:
+        """A store call through the outage: a transient failure starts or extends it (past --db-outage-s, or not
+        transient, it is raised); with wait, tried again until it goes through, else None. A success ends it."""
+        while True:
+            if not self.outage.due():
+                if not wait:
+                    return None
+                self.outage.wait()
+            try:
+                result = call()
+            except StoreError as exc:
+                self.outage.failed(exc)
+                self._show_outage()
+                if not wait:
+                    return None
+                continue
+            self.outage.ok()
+            return result
+
+    def _in_session(self, function: Callable[..., Any], *args: Any) -> Any:
+        with self.store.session_scope(write=True) as session:
+            return function(session, *args)
+
+    def _kept_full(self) -> bool:
+        """Whether the run holds as many rows as it may keep while the database is away (it pauses)."""
+        return self.outage.down and self.writer.num_rows >= self.options.max_kept_rows
+
+    def _show_outage(self) -> None:
+        if self._progress is not None:
+            self._progress.status = self.outage.status()
 
     def _claim_if_due(self, engine: EngineProtocol, job_ids: list[int], params: dict[int, SamplingParams],
                       pace: _Pace, now: float) -> int:
@@ -223,7 +271,7 @@ class Worker:
         """Every quarter lease: abort what this worker no longer holds (cancelled, or its lease expired)."""
         if time.monotonic() >= pace.next_check:
             pace.next_check = time.monotonic() + self.options.lease_s / 4
-            for request_id in self.writer.lost():
+            for request_id in self._db(self.writer.lost) or []:
                 engine.abort(request_id)
 
     def _claim_target(self, engine: EngineProtocol, job_ids: list[int]) -> int:
@@ -252,8 +300,10 @@ class Worker:
         return len(claimed)
 
     def _write(self, job_ids: list[int]) -> None:
-        flushed = self.writer.commit(job_ids)
-        self._count(flushed)
+        """Commit the rows held (through the outage: a failed commit keeps them for the next try)."""
+        flushed = self._db(lambda: self.writer.commit(job_ids))
+        if flushed is not None:
+            self._count(flushed)
 
     def _count(self, flushed: Flushed) -> None:
         self.summary.num_completed += flushed.num_completed
@@ -265,11 +315,13 @@ class Worker:
                                     flushed.budget)
 
     def _drain(self, engine: EngineProtocol) -> None:
-        """Stopping: give back what has not started; let the rest finish until the drain timeout."""
+        """Stopping: give back what has not started; let the rest finish until the drain timeout. (While the
+        database is away they stay held: the shutdown gives them back, or their leases expire.)"""
         aborted = engine.abort_waiting()
         if time.monotonic() - self._stop_time > self.options.drain_timeout_s:
             aborted += [engine.abort(request_id) for request_id in list(self.writer.held)]
-        self.summary.num_released += self.writer.give_back([out.request_id for out in aborted if out is not None])
+        ids = [out.request_id for out in aborted if out is not None]
+        self.summary.num_released += self._db(lambda: self.writer.give_back(ids)) or 0
 
     def _shutdown(self, error: BaseException | None) -> None:
         """Commit what is finished; give back the rest of our leases (after an engine error, expire them:
@@ -284,8 +336,8 @@ class Worker:
                     q.reclaim_expired(session, self.options.max_attempts, [self.worker_id])
             else:
                 self.summary.num_released += self.writer.give_back(list(self.writer.held))
-            with self.store.session_scope(write=True) as session:
-                q.stop_worker(session, self.worker_id, self.summary.num_completed, self.summary.num_output_tokens)
+            self._db(lambda: self._in_session(q.stop_worker, self.worker_id, self.summary.num_completed,
+                                              self.summary.num_output_tokens), wait=error is None)
         except Exception as exc:  # never hide the original error behind a shutdown one
             if error is None:
                 raise
@@ -304,8 +356,7 @@ class Worker:
         """The run's first line, as soon as the engine is up: what runs, how, and how much is queued."""
         if self._progress is None:
             return
-        with self.store.session_scope() as session:
-            totals = q.queue_totals(session, [job.id for job in jobs])
+        totals = self._db(lambda: self._in_session(q.queue_totals, [job.id for job in jobs]), wait=True)
         self._progress.begin(f"bulkgen run: {engine.describe()} · jobs {', '.join(str(job.id) for job in jobs)}: "
                              f"{totals.num_pending:,} requests queued, {totals.num_done:,} of "
                              f"{totals.num_requests:,} done")

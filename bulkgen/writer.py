@@ -46,6 +46,11 @@ class ResultWriter:
         return len(self.held)
 
     @property
+    def num_rows(self) -> int:
+        """Rows (results and failures) not yet committed."""
+        return len(self._results) + len(self._failures)
+
+    @property
     def has_rows(self) -> bool:
         return bool(self._results or self._failures)
 

@@ -38,6 +38,9 @@ from bulkgen.worker import Worker, WorkerOptions
               help="A request abandoned by this many crashed workers fails instead of returning.")
 @click.option("--drain-timeout", type=float, default=30.0, show_default=True,
               help="On SIGINT/SIGTERM: seconds running requests may take to finish before being released.")
+@click.option("--db-outage-s", type=float, default=900.0, show_default=True,
+              help="How long the database may be unreachable (restarting, failing over, a dropped connection) "
+                   "while the worker keeps generating and holds its results; past it the run stops (0: at once).")
 @click.option("--packing", type=click.Choice(PACKINGS), default=DEFAULT_PACKING, show_default=True,
               help="Admission order: lpt = most output tokens first; sorted = by prompt length; fifo = as "
                    "submitted.")
@@ -62,9 +65,10 @@ from bulkgen.worker import Worker, WorkerOptions
 @json_option
 @db_option
 def run(job_ids: tuple[int, ...], as_json: bool, db_url: str, lease_seconds: float, commit_every: int,
-        commit_interval: float, max_attempts: int, drain_timeout: float, packing: str, kv_admission: bool, wait: bool,
-        log_every: float, progress: bool, verbose: bool, use_ray: bool, workers: int | None, ray_address: str | None,
-        gpus_per_worker: float | None, cpus_per_worker: float, max_restarts: int, **engine: Any) -> None:
+        commit_interval: float, max_attempts: int, drain_timeout: float, db_outage_s: float, packing: str,
+        kv_admission: bool, wait: bool, log_every: float, progress: bool, verbose: bool, use_ray: bool,
+        workers: int | None, ray_address: str | None, gpus_per_worker: float | None, cpus_per_worker: float,
+        max_restarts: int, **engine: Any) -> None:
     """Run queued jobs (all, or the given ones) until the queue is empty.
 
     Results are committed as they finish: kill the worker at any moment and run it again, and it
@@ -85,7 +89,7 @@ def run(job_ids: tuple[int, ...], as_json: bool, db_url: str, lease_seconds: flo
     options = WorkerOptions(job_ids=job_ids, lease_s=lease_seconds, commit_rows=commit_every,
                             commit_interval_s=commit_interval, max_attempts=max_attempts,
                             drain_timeout_s=drain_timeout, packing=packing, kv_admission=kv_admission, wait=wait,
-                            progress=progress and not as_json, log_every_s=log_every)
+                            progress=progress and not as_json, log_every_s=log_every, db_outage_s=db_outage_s)
     config = engine_config(engine)  # a bad flag is refused before the database is touched
     ray_flags = {"--workers": workers, "--ray-address": ray_address, "--gpus-per-worker": gpus_per_worker}
     if not use_ray and any(value is not None for value in ray_flags.values()):

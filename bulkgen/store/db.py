@@ -50,8 +50,11 @@ class Store:
             session.rollback()
             raise
         except SQLAlchemyError as exc:
-            session.rollback()
-            raise StoreError(f"database error on {self.url}: {_reason(exc)}") from exc
+            try:
+                session.rollback()
+            except SQLAlchemyError:  # the connection is gone: nothing to roll back on it
+                pass
+            raise StoreError(f"database error on {self.url}: {_reason(exc)}", transient=is_transient(exc)) from exc
         except BaseException:
             session.rollback()
             raise
@@ -133,6 +136,43 @@ def _sqlite_engine(url) -> Engine:
         conn.exec_driver_sql(f"BEGIN {conn.get_execution_options().get('sqlite_begin', 'DEFERRED')}")
 
     return engine
+
+
+# PostgreSQL's SQLSTATEs a worker waits out: the connection classes, the server shutting down or starting up,
+# too many connections, a failover's read-only standby, and a serialization failure or deadlock (a retry succeeds)
+TRANSIENT_SQLSTATE_CLASSES = ("08",)
+TRANSIENT_SQLSTATES = {"57P01", "57P02", "57P03", "53300", "25006", "40001", "40P01", "55P03"}
+# what stops a worker at once, whatever else the message says: full disk, out of memory, files, I/O, credentials,
+# a missing database, table or column
+FATAL_SQLSTATE_CLASSES = ("53100", "53200", "58", "28", "3D", "42", "XX")
+# a connection refused for what it is (said at connect, often without a SQLSTATE): credentials, a missing role or
+# database, a server configured to refuse
+FATAL_WORDS = ("authentication failed", "does not exist", "no pg_hba.conf entry", "permission denied",
+               "no such table", "no such column", "disk i/o error", "not a database", "readonly database",
+               "unsupported", "too new")
+TRANSIENT_WORDS = ("connection refused", "connection failed", "could not connect", "server closed the connection",
+                   "terminating connection", "the database system is", "connection reset", "connection timed out",
+                   "consuming input failed", "connection is closed", "connection has been closed",
+                   "ssl connection has been closed", "no connection to the server", "database is locked",
+                   "database is busy", "read-only transaction", "connection not open", "broken pipe",
+                   "lost synchronization", "timeout expired", "the connection is lost")
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether a database error is the weather (wait and try again) or the end (stop now, with its message)."""
+    orig = getattr(exc, "orig", None) or exc
+    state = getattr(orig, "sqlstate", None) or getattr(getattr(orig, "diag", None), "sqlstate", None)
+    if state:
+        if state.startswith(FATAL_SQLSTATE_CLASSES):
+            return False
+        if state.startswith(TRANSIENT_SQLSTATE_CLASSES) or state in TRANSIENT_SQLSTATES:
+            return True
+    if getattr(exc, "connection_invalidated", False):
+        return True
+    text = str(orig).lower()
+    if any(word in text for word in FATAL_WORDS) or "disk" in text and "full" in text:
+        return False
+    return any(word in text for word in TRANSIENT_WORDS)
 
 
 def _reason(exc: BaseException) -> str:

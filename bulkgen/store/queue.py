@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import and_, case, func, insert, select, update
+from sqlalchemy import and_, case, false, func, insert, select, text, update
 from sqlalchemy.orm import Session
 
 from bulkgen.store.jobs import state_totals
@@ -77,12 +77,16 @@ def runnable_jobs(session: Session, job_ids: list[int] | None = None) -> list[Jo
     return list(session.scalars(query))
 
 
-def reclaim_expired(session: Session, max_attempts: int, dead_workers: list[str] = ()) -> int:
+def reclaim_expired(session: Session, max_attempts: int, dead_workers: list[str] = (), lease_s: float = 60.0) -> int:
     """Requests whose lease expired (or whose worker is known dead) go back to the queue, or fail
-    once they have been attempted `max_attempts` times. Returns how many were reclaimed."""
+    once they have been attempted `max_attempts` times. Returns how many were reclaimed. A PostgreSQL server that
+    started less than a lease ago reclaims none by expiry: its holders were waiting for it (their heartbeats could
+    not land), and each gets a lease's time to come back and renew before its requests go to another worker."""
     now = utcnow()
-    lost = and_(Request.state == RequestState.RUNNING.value,
-                (Request.lease_expires_at < now) | Request.lease_owner.in_(list(dead_workers)))
+    expired = Request.lease_expires_at < now
+    if session.get_bind().dialect.name == "postgresql" and server_started_within(session, lease_s):
+        expired = false()
+    lost = and_(Request.state == RequestState.RUNNING.value, expired | Request.lease_owner.in_(list(dead_workers)))
     exhausted = Request.attempts >= max_attempts
     return session.execute(
         update(Request).where(lost).values(
@@ -91,6 +95,12 @@ def reclaim_expired(session: Session, max_attempts: int, dead_workers: list[str]
                                    "it may be what crashes them; `bulkgen retry` runs it again"), else_=None),
             lease_owner=None, lease_expires_at=None, updated_at=now)
     ).rowcount
+
+
+def server_started_within(session: Session, seconds: float) -> bool:
+    """Whether the PostgreSQL server started (or restarted, or was failed over to) within `seconds`."""
+    return bool(session.scalar(text("SELECT pg_postmaster_start_time() > now() - make_interval(secs => :s)"),
+                               {"s": seconds}))
 
 
 def dead_local_workers(session: Session) -> list[str]:
@@ -155,7 +165,10 @@ def commit_results(session: Session, worker_id: str, results: list[dict[str, Any
         rows = [{"worker_id": worker_id, "finished_at": now, **r} for r in results if r["request_id"] in owned]
         if rows:
             session.execute(insert(Result), rows)
-        written = len(rows)
+        # a commit tried again after its acknowledgement was lost (outage.py): its rows are there, written once
+        landed = [r["request_id"] for r in results if r["request_id"] not in owned]
+        written = len(rows) + (session.scalar(select(func.count()).select_from(Result).where(
+            Result.request_id.in_(landed), Result.worker_id == worker_id)) if landed else 0)
     failed = 0
     for request_id, reason in failures:
         failed += session.execute(
