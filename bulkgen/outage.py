@@ -21,7 +21,7 @@ from bulkgen.errors import StoreError
 log = logging.getLogger(__name__)
 
 FIRST_DELAY_S = 0.5
-MAX_DELAY_S = 15.0
+MAX_DELAY_S = 5.0  # a worker back within seconds of its database; a few workers are no load on a server starting
 
 
 class Outage:

@@ -222,6 +222,8 @@ class Worker:
                     return None
                 self.outage.wait()
             try:
+                if self.outage.down:
+                    self.store.ping()  # back only where the database answers (a call may not reach it: no rows)
                 result = call()
             except StoreError as exc:
                 self.outage.failed(exc)

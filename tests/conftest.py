@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
+import socket
+import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -130,3 +134,68 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: 
 def tiny_short_model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
     """A tiny model with a 64-token context, to make prompts too long cheaply."""
     return make_tiny_model(tmp_path_factory.mktemp("tiny-short"), default_model_dir, max_positions=64)
+
+
+PG_BIN = Path("/usr/lib/postgresql/15/bin")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class OwnPostgres:
+    """A PostgreSQL server of the test's own, to restart and stop at will (as user postgres where we are root:
+    the server refuses to run as root)."""
+
+    def __init__(self, root: Path) -> None:
+        self.data = root / "data"
+        self.port = _free_port()
+        self.log = root / "server.log"
+        self.as_user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+        root.mkdir(parents=True, exist_ok=True)
+        if self.as_user:
+            shutil.chown(root, "postgres")
+        self._run("initdb", "-D", str(self.data), "--auth=trust", "-U", "postgres", "--no-sync")
+        self.start()
+        self._run("createdb", "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres", "bulkgen")
+        self.url = f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/bulkgen"
+
+    def _run(self, tool: str, *args: str) -> None:
+        done = subprocess.run([*self.as_user, str(PG_BIN / tool), *args], capture_output=True, text=True,
+                              timeout=120, cwd="/")
+        assert done.returncode == 0, f"{tool}: {done.stdout}{done.stderr}"
+
+    def _ctl(self, *args: str) -> None:
+        self._run("pg_ctl", "-D", str(self.data), "-l", str(self.log), "-w", "-t", "60", *args)
+
+    def start(self) -> None:
+        self._ctl("-o", f"-p {self.port} -k /tmp -c listen_addresses=127.0.0.1 -c fsync=off", "start")
+
+    def stop(self) -> None:
+        self._ctl("-m", "fast", "stop")
+
+    def restart(self) -> None:
+        self._ctl("-m", "fast", "-o", f"-p {self.port} -k /tmp -c listen_addresses=127.0.0.1 -c fsync=off",
+                  "restart")
+
+
+@pytest.fixture
+def own_postgres():
+    if not (PG_BIN / "initdb").exists():
+        pytest.skip(f"no PostgreSQL server binaries at {PG_BIN} (the CI machine has PostgreSQL 15)")
+    pytest.importorskip("psycopg")
+    root = Path(tempfile.mkdtemp(prefix="bulkgen-own-pg-", dir="/tmp"))  # not under pytest's 0700 tree: the server
+    root.chmod(0o755)  # runs as another user
+    try:
+        server = OwnPostgres(root)
+        try:
+            yield server
+        finally:
+            try:
+                server.stop()
+            except AssertionError:
+                pass
+    finally:
+        shutil.rmtree(root, ignore_errors=True)

@@ -6,12 +6,9 @@ every row exactly once and the outputs of an uninterrupted run; what is not tran
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -23,6 +20,7 @@ from bulkgen.errors import StoreError
 from bulkgen.store import db as store_db
 from bulkgen.store.db import open_store
 from bulkgen.store.models import Request, Result
+from tests.conftest import OwnPostgres
 from tests.test_worker_process import (
     NUM_ROWS,
     POLL_S,
@@ -32,70 +30,6 @@ from tests.test_worker_process import (
     start_worker,
     uninterrupted_run,
 )
-
-PG_BIN = Path("/usr/lib/postgresql/15/bin")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class OwnPostgres:
-    """A PostgreSQL server of the test's own, to restart and stop at will (as user postgres where we are root:
-    the server refuses to run as root)."""
-
-    def __init__(self, root: Path) -> None:
-        self.data = root / "data"
-        self.port = _free_port()
-        self.log = root / "server.log"
-        self.as_user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
-        root.mkdir(parents=True, exist_ok=True)
-        if self.as_user:
-            shutil.chown(root, "postgres")
-        self._run("initdb", "-D", str(self.data), "--auth=trust", "-U", "postgres", "--no-sync")
-        self.start()
-        self._run("createdb", "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres", "bulkgen")
-        self.url = f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/bulkgen"
-
-    def _run(self, tool: str, *args: str) -> None:
-        done = subprocess.run([*self.as_user, str(PG_BIN / tool), *args], capture_output=True, text=True,
-                              timeout=120, cwd="/")
-        assert done.returncode == 0, f"{tool}: {done.stdout}{done.stderr}"
-
-    def _ctl(self, *args: str) -> None:
-        self._run("pg_ctl", "-D", str(self.data), "-l", str(self.log), "-w", "-t", "60", *args)
-
-    def start(self) -> None:
-        self._ctl("-o", f"-p {self.port} -k /tmp -c listen_addresses=127.0.0.1 -c fsync=off", "start")
-
-    def stop(self) -> None:
-        self._ctl("-m", "fast", "stop")
-
-    def restart(self) -> None:
-        self._ctl("-m", "fast", "-o", f"-p {self.port} -k /tmp -c listen_addresses=127.0.0.1 -c fsync=off",
-                  "restart")
-
-
-@pytest.fixture
-def own_postgres():
-    if not (PG_BIN / "initdb").exists():
-        pytest.skip(f"no PostgreSQL server binaries at {PG_BIN} (the CI machine has PostgreSQL 15)")
-    pytest.importorskip("psycopg")
-    root = Path(tempfile.mkdtemp(prefix="bulkgen-own-pg-", dir="/tmp"))  # not under pytest's 0700 tree: the server
-    root.chmod(0o755)  # runs as another user
-    try:
-        server = OwnPostgres(root)
-        try:
-            yield server
-        finally:
-            try:
-                server.stop()
-            except AssertionError:
-                pass
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def _wait_for(condition, proc: subprocess.Popen | None, what: str, timeout: float = 240) -> None:
@@ -112,7 +46,7 @@ def _finish(proc: subprocess.Popen) -> tuple[dict, str]:
     return json.loads(stdout), stderr
 
 
-def _assert_exactly_once(db: str, job_id: int, tmp_path: Path, reference: list[dict]) -> None:
+def assert_exactly_once(db: str, job_id: int, tmp_path: Path, reference: list[dict]) -> None:
     rows = export_rows(db, job_id, tmp_path / "out.parquet")
     assert [r["row"] for r in rows] == list(range(NUM_ROWS))
     assert all(r["status"] == "completed" for r in rows)
@@ -122,7 +56,7 @@ def _assert_exactly_once(db: str, job_id: int, tmp_path: Path, reference: list[d
         assert session.scalar(select(func.count(func.distinct(Result.request_id)))) == NUM_ROWS
 
 
-def _outages(db: str, proc: subprocess.Popen, server: OwnPostgres, stopped_s: float) -> None:
+def outages(db: str, proc: subprocess.Popen, server: OwnPostgres, stopped_s: float) -> None:
     """Two restarts and a stop of stopped_s, each once the worker has committed more since the last."""
     for event in ("restart", "restart", "stop"):
         before = num_results(db)
@@ -142,11 +76,11 @@ def test_one_worker_rides_out_two_restarts_and_a_stop(tmp_path: Path, tiny_model
     db = own_postgres.url
     job_id = make_job(tmp_path, tiny_model_dir, db)
     proc = start_worker(db, "--max-num-seqs", "8", "--json")
-    _outages(db, proc, own_postgres, stopped_s=6.0)  # past the backoff's first steps (0.5, 1, 2 s) and the lease
+    outages(db, proc, own_postgres, stopped_s=6.0)  # past the backoff's first steps (0.5, 1, 2 s) and the lease
     summary, stderr = _finish(proc)
     assert summary["completed"] == NUM_ROWS, summary
     assert stderr.count("database unavailable since") >= 3 and stderr.count("database back after") >= 3, stderr
-    _assert_exactly_once(db, job_id, tmp_path, reference)
+    assert_exactly_once(db, job_id, tmp_path, reference)
 
 
 def test_two_workers_ride_out_a_restart_and_a_stop(tmp_path: Path, tiny_model_dir: Path,
@@ -155,10 +89,10 @@ def test_two_workers_ride_out_a_restart_and_a_stop(tmp_path: Path, tiny_model_di
     db = own_postgres.url
     job_id = make_job(tmp_path, tiny_model_dir, db)
     procs = [start_worker(db, "--max-num-seqs", "4", "--json") for _ in range(2)]
-    _outages(db, procs[0], own_postgres, stopped_s=6.0)
+    outages(db, procs[0], own_postgres, stopped_s=6.0)
     summaries = [_finish(p)[0] for p in procs]
     assert sum(s["completed"] for s in summaries) == NUM_ROWS, summaries
-    _assert_exactly_once(db, job_id, tmp_path, reference)
+    assert_exactly_once(db, job_id, tmp_path, reference)
 
 
 class DroppingProxy(threading.Thread):
@@ -218,7 +152,7 @@ def test_a_commit_whose_acknowledgement_is_lost_is_neither_lost_nor_doubled(tmp_
     proxy.listener.close()
     assert proxy.dropped == 3, "three commits landed unacknowledged"
     assert summary["completed"] == NUM_ROWS, summary  # each counted once: the retry found its rows there
-    _assert_exactly_once(own_postgres.url, job_id, tmp_path, reference)
+    assert_exactly_once(own_postgres.url, job_id, tmp_path, reference)
 
 
 def test_a_dropped_table_still_stops_the_worker_at_once(tmp_path: Path, tiny_model_dir: Path,
@@ -303,4 +237,4 @@ def test_sqlite_locked_past_the_busy_timeout_is_waited_out(tmp_path: Path, tiny_
     assert not errors, errors
     assert worker.outage.num_outages >= 1, "the lock outlasted the busy timeout: an outage, waited out"
     assert worker.summary.num_completed == NUM_ROWS
-    _assert_exactly_once(db, job_id, tmp_path, reference)
+    assert_exactly_once(db, job_id, tmp_path, reference)

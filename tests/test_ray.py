@@ -18,6 +18,7 @@ from sqlalchemy import func, select
 from bulkgen.store.db import open_store
 from bulkgen.store.models import Request, Result, Worker
 from tests.helpers import invoke, invoke_json
+from tests.test_db_outage import assert_exactly_once, outages
 from tests.test_worker_process import (
     NUM_ROWS,
     RUN_FLAGS,
@@ -184,3 +185,22 @@ def test_ray_data_stage_adds_exports_columns_equal_to_a_queue_run(tmp_path: Path
         for column in ("output", "finish_reason", "num_prompt_tokens", "num_output_tokens", "error"):
             assert got[column] == want[column], (column, got, want)
     assert rows[1]["error"] == "prompt is empty" and rows[1]["output"] is None
+
+
+def test_actors_ride_out_a_database_restart_and_a_stop(tmp_path: Path, tiny_model_dir: Path, own_postgres,
+                                                      ray_address: str) -> None:
+    """Two actors on a PostgreSQL of the test's own, restarted twice and stopped for 6 s: the actors wait (no
+    restart spent, no error), the driver says the database was away, every row once, as one worker's run."""
+    reference = uninterrupted_run(tmp_path, tiny_model_dir, f"sqlite:///{tmp_path / 'reference.db'}")
+    db = own_postgres.url
+    job_id = make_job(tmp_path, tiny_model_dir, db, max_new=24)
+    proc = ray_run(db, ray_address, "--workers", "2", "--max-num-seqs", "4", "--json")
+    outages(db, proc, own_postgres, stopped_s=6.0)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err
+    summary = json.loads(out)
+    assert summary["errors"] == [] and summary["completed"] == NUM_ROWS, summary
+    assert summary["db_outages"] >= 1 and summary["db_outage_s"] > 0, summary
+    assert_exactly_once(db, job_id, tmp_path, reference)
+    with open_store(db).session_scope() as session:
+        assert session.scalar(select(func.count()).select_from(Worker)) == 2, "no actor restarted"

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from sqlalchemy import create_engine, event
+from sqlalchemy import create_engine, event, text
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
@@ -60,6 +60,11 @@ class Store:
             raise
         finally:
             session.close()
+
+    def ping(self) -> None:
+        """One round trip to the database (StoreError where it is away)."""
+        with self.session_scope() as session:
+            session.execute(text("SELECT 1"))
 
     def close(self) -> None:
         self.engine.dispose()
