@@ -84,6 +84,8 @@ class RunSummary:
     seconds: float = 0.0
     stopped_by: str | None = None  # the signal's name, when one stopped the run
     job_ids: set[int] = field(default_factory=set)
+    db_outages: int = 0  # times the database was away and waited out, and for how long in all
+    db_outage_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return {"worker_id": self.worker_id, "completed": self.num_completed, "failed": self.num_failed,
@@ -91,11 +93,13 @@ class RunSummary:
                 "num_output_tokens": self.num_output_tokens, "preemptions": self.num_preemptions,
                 "seconds": round(self.seconds, 2), "stopped_by": self.stopped_by,
                 "output_tok_per_s": round(self.num_output_tokens / self.seconds, 2) if self.seconds else None,
-                "jobs": sorted(self.job_ids)}
+                "jobs": sorted(self.job_ids), "db_outages": self.db_outages, "db_outage_s": round(self.db_outage_s, 1)}
 
     def line(self) -> str:
         rate = f" · {self.num_output_tokens / self.seconds:.1f} output tok/s" if self.seconds else ""
         stop = f" · stopped by {self.stopped_by}, {self.num_released} requests released" if self.stopped_by else ""
+        if self.db_outages:
+            stop += f" · database unavailable {self.db_outages} time(s), {self.db_outage_s:.0f}s in all (waited out)"
         return (f"bulkgen run: {self.num_completed} completed · {self.num_failed} failed · "
                 f"{self.num_output_tokens:,} output tokens in {self.seconds:.1f}s{rate}{stop}")
 
@@ -146,6 +150,7 @@ class Worker:
             restore()
             self._shutdown(error)
             self.summary.seconds = time.monotonic() - start
+            self.summary.db_outages, self.summary.db_outage_s = self.outage.num_outages, self.outage.seconds_down
             if self._progress is not None:
                 self._progress.close()
         return self.summary

@@ -78,7 +78,7 @@ def test_one_worker_rides_out_two_restarts_and_a_stop(tmp_path: Path, tiny_model
     proc = start_worker(db, "--max-num-seqs", "8", "--json")
     outages(db, proc, own_postgres, stopped_s=6.0)  # past the backoff's first steps (0.5, 1, 2 s) and the lease
     summary, stderr = _finish(proc)
-    assert summary["completed"] == NUM_ROWS, summary
+    assert summary["completed"] == NUM_ROWS and summary["db_outages"] >= 3 and summary["db_outage_s"] > 3, summary
     assert stderr.count("database unavailable since") >= 3 and stderr.count("database back after") >= 3, stderr
     assert_exactly_once(db, job_id, tmp_path, reference)
 
