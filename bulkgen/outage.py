@@ -25,8 +25,10 @@ MAX_DELAY_S = 5.0  # a worker back within seconds of its database; a few workers
 
 
 class Outage:
-    def __init__(self, limit_s: float, first_delay_s: float = FIRST_DELAY_S, max_delay_s: float = MAX_DELAY_S) -> None:
+    def __init__(self, limit_s: float, first_delay_s: float = FIRST_DELAY_S, max_delay_s: float = MAX_DELAY_S,
+                 say: bool = True) -> None:
         self.limit_s = limit_s
+        self.say = say  # its two lines (a Ray driver shows the outage on its progress line instead)
         self.first_delay_s, self.max_delay_s = first_delay_s, max_delay_s
         self.since: float | None = None  # monotonic start of the current outage
         self.since_wall: datetime | None = None
@@ -49,11 +51,14 @@ class Outage:
             raise exc
         now = time.monotonic()
         if self.since is None:
+            if self.limit_s <= 0:  # --db-outage-s 0: the first database error stops the run
+                raise exc
             self.since, self.since_wall, self._delay = now, datetime.now(UTC), self.first_delay_s
             self.num_outages += 1
-            log.warning("bulkgen: database unavailable since %s (%s); generation goes on, results are kept and "
-                        "committed when it is back (waiting up to %.0fs)", self.since_wall.strftime("%H:%M:%S"),
-                        _cause(exc), self.limit_s)
+            if self.say:
+                log.warning("bulkgen: database unavailable since %s (%s); generation goes on, results are kept and "
+                            "committed when it is back (waiting up to %.0fs)", self.since_wall.strftime("%H:%M:%S"),
+                            _cause(exc), self.limit_s)
         elif now - self.since > self.limit_s:
             raise StoreError(f"database unavailable for {now - self.since:.0f}s, past --db-outage-s "
                              f"{self.limit_s:.0f}: {exc}") from exc
@@ -65,7 +70,8 @@ class Outage:
         if self.since is not None:
             down = time.monotonic() - self.since
             self.seconds_down += down
-            log.warning("bulkgen: database back after %.1fs; committing what was kept", down)
+            if self.say:
+                log.warning("bulkgen: database back after %.1fs; committing what was kept", down)
             self.since = self.since_wall = None
 
     def status(self) -> str | None:

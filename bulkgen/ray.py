@@ -231,7 +231,7 @@ class _Follower:
         self.progress = Progress(totals.num_requests, totals.num_done, totals.budget_left, enabled=enabled,
                                  log_every_s=log_every_s)
         self.done, self.budget_left, self.generated = totals.num_done, totals.budget_left, 0
-        self.outage = Outage(float("inf"))  # the driver follows; the actors' own --db-outage-s decides
+        self.outage = Outage(float("inf"), say=False)  # the driver follows; the actors' own --db-outage-s decides
 
     def _read(self) -> tuple[q.QueueTotals, int]:
         started = time.monotonic()

@@ -238,3 +238,18 @@ def test_sqlite_locked_past_the_busy_timeout_is_waited_out(tmp_path: Path, tiny_
     assert worker.outage.num_outages >= 1, "the lock outlasted the busy timeout: an outage, waited out"
     assert worker.summary.num_completed == NUM_ROWS
     assert_exactly_once(db, job_id, tmp_path, reference)
+
+
+def test_an_outage_limit_of_zero_stops_at_the_first_error_and_fatal_errors_always_do() -> None:
+    from bulkgen.outage import Outage
+
+    weather = StoreError("database error on x: connection refused", transient=True)
+    with pytest.raises(StoreError, match="connection refused"):
+        Outage(0).failed(weather)
+    with pytest.raises(StoreError, match="disk full"):
+        Outage(900).failed(StoreError("database error on x: disk full"))
+    outage = Outage(900)
+    outage.failed(weather)
+    assert outage.down and outage.status().startswith("database unavailable since ")
+    outage.ok()
+    assert not outage.down and outage.num_outages == 1
