@@ -35,7 +35,9 @@ from bulkgen.lease import Heartbeat, on_stop_signals
 from bulkgen.outage import Outage
 from bulkgen.packing import admission_for, check_packing
 from bulkgen.progress import Progress
+from bulkgen.recorder import SAMPLE_INTERVAL_S, Recorder
 from bulkgen.store import queue as q
+from bulkgen.store import runs
 from bulkgen.store.db import Store
 from bulkgen.store.models import Job, unpack_ids
 from bulkgen.store.packings import DEFAULT_PACKING
@@ -62,10 +64,13 @@ class WorkerOptions:
     log_every_s: float = 30.0
     db_outage_s: float = 900.0  # how long the database may be away before the run stops (transient errors only)
     max_kept_rows: int = 4096  # rows kept while the database is away; past them the engine pauses
+    sample_interval_s: float = SAMPLE_INTERVAL_S  # how often the run's samples are closed (recorder.py)
 
     def __post_init__(self) -> None:
-        if self.lease_s <= 0 or self.commit_rows < 1 or self.commit_interval_s <= 0 or self.max_attempts < 1:
-            raise ConfigError("lease, commit interval and commit rows must be positive, max attempts >= 1")
+        if self.lease_s <= 0 or self.commit_rows < 1 or self.commit_interval_s <= 0 or self.max_attempts < 1 \
+                or self.sample_interval_s <= 0:
+            raise ConfigError("lease, commit and sample intervals and commit rows must be positive, "
+                              "max attempts >= 1")
         if self.db_outage_s < 0:
             raise ConfigError(f"--db-outage-s must be >= 0 (0: stop at the first database error), got "
                               f"{self.db_outage_s:g}")
@@ -121,6 +126,7 @@ class Worker:
         self._progress: Progress | None = None
         self.num_generated = 0  # output tokens generated in this run, committed or not (a Ray driver sums them)
         self.outage = Outage(self.options.db_outage_s)
+        self.recorder = Recorder(self.worker_id, self.options.sample_interval_s)
 
     # ------------------------------------------------------------------ the run
 
@@ -186,11 +192,14 @@ class Worker:
         requests it claimed. Each turn: stop (drain) or claim if due, step, commit if due, drop the lost."""
         engine = self._engine(jobs[0].model_path)
         self._say_start(engine, jobs)
+        settings = self._settings(engine)
+        self._db(lambda: self._in_session(runs.set_worker_settings, self.worker_id, settings), wait=True)
         preemptions_before = engine.stats.num_preemptions
         params = {job.id: SamplingParams.from_dict(job.spec["sampling"]) for job in jobs}
         job_ids = [job.id for job in jobs]
         self.summary.job_ids.update(job_ids)
         pace = _Pace(next_check=time.monotonic() + self.options.lease_s / 4)
+        self.recorder.serving(job_ids, engine.stats)
         claimed = 0
         while True:
             now = time.monotonic()
@@ -206,11 +215,14 @@ class Worker:
                 self.outage.wait()  # idle, or holding all it may keep: until the next try
             elif self._stop_requested is None and now < pace.next_claim:
                 break  # the engine is idle and the queue had nothing: these jobs are done
+            if self.recorder.is_due():
+                self.recorder.close()
             if self.writer.is_due() or (self.outage.down and self.outage.due()):
                 self._write(job_ids)  # while the database is away, also its probe
             if not self.outage.down:
                 self._drop_lost(engine, pace)
             self._show_outage()
+        self.recorder.close()
         self._write(job_ids)
         while self.writer.has_rows:  # what is left, once the database takes it (or past --db-outage-s, raised)
             self.outage.wait()
@@ -268,7 +280,12 @@ class Worker:
 
     def _step(self, engine: EngineProtocol) -> None:
         before = engine.stats.num_output_tokens
-        self.writer.collect(engine.step())
+        outputs = engine.step()
+        self.writer.collect(outputs)
+        self.recorder.step(engine.stats)
+        for out in outputs:
+            if (request := self.writer.held.get(out.request_id)) is not None and out.finish_reason != "abort":
+                self.recorder.finished(request.job_id, len(out.output_token_ids), out.finish_reason == "error")
         generated = engine.stats.num_output_tokens - before
         self.num_generated += generated
         if self._progress is not None:
@@ -304,13 +321,19 @@ class Worker:
                 engine.add(request.id, unpack_ids(request.prompt_token_ids), sampling)
             except (PromptTooLongError, ConfigError) as exc:  # a request's own settings checked at submit too
                 self.writer.fail(request.id, str(exc))
+                self.recorder.finished(request.job_id, 0, failed=True)
         return len(claimed)
 
     def _write(self, job_ids: list[int]) -> None:
-        """Commit the rows held (through the outage: a failed commit keeps them for the next try)."""
+        """Commit the rows held (through the outage: a failed commit keeps them for the next try), and the run's
+        closed samples."""
         flushed = self._db(lambda: self.writer.commit(job_ids))
         if flushed is not None:
             self._count(flushed)
+        if self.recorder.pending and not self.outage.down:
+            rows = list(self.recorder.pending)
+            if self._db(lambda: self._in_session(runs.insert_samples, rows)) is not None:
+                self.recorder.written(len(rows))
 
     def _count(self, flushed: Flushed) -> None:
         self.summary.num_completed += flushed.num_completed
@@ -358,6 +381,15 @@ class Worker:
             self._engines.clear()  # one model in memory at a time
             self._engines[model_path] = self._engine_factory(model_path, self.engine_config)
         return self._engines[model_path]
+
+    def _settings(self, engine: EngineProtocol) -> dict[str, Any]:
+        """What this run ran with, for `bulkgen report`."""
+        config = getattr(engine, "config", self.engine_config)  # its dtype resolved, where the engine has one
+        return {"engine": engine.describe(), "dtype": config.dtype, "device": config.device,
+                "kv_cache_tokens": engine.max_num_tokens, "max_num_seqs": config.max_num_seqs,
+                "max_num_batched_tokens": config.max_num_batched_tokens, "block_size": config.block_size,
+                "attention_backend": config.attention_backend, "kernels": config.kernels,
+                "packing": self.options.packing, "kv_admission": self.options.kv_admission}
 
     def _say_start(self, engine: EngineProtocol, jobs: list[Job]) -> None:
         """The run's first line, as soon as the engine is up: what runs, how, and how much is queued."""

@@ -344,3 +344,41 @@ def _sampling_text(sampling: dict[str, Any]) -> str:
         return "greedy"
     return "sampled " + " ".join(f"{k.replace('_', '-')} {v:g}" for k, v in sampling.items()
                                  if (k, v) not in (("top_p", 1.0), ("top_k", 0), ("min_p", 0.0)))
+
+
+@bench.command("report", context_settings=CONTEXT)
+@click.option("--rows", "num_rows", type=click.IntRange(min=1), default=100_000, show_default=True,
+              help="Requests of the finished job built for it.")
+@click.option("--workers", "num_workers", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Workers whose samples it records.")
+@click.option("--hours", type=click.FloatRange(min=0.01), default=8.0, show_default=True,
+              help="How long those workers ran (a sample each 10 s each).")
+@click.option("--db", "db_url", metavar="URL", help="Database to build it in (default: a new SQLite file in a "
+                                                      "temporary directory).")
+@JSON_PATH
+def report_scale(num_rows: int, num_workers: int, hours: float, db_url: str | None, json_path: Path | None) -> None:
+    """Time `bulkgen report` on a big finished job (built straight through the store) and size its samples
+    against the whole database.
+
+    \b
+    Example:
+      bulkgen bench report --rows 100000
+    """
+    import time
+
+    from bulkgen.bench.report_scale import make_big_job, measure
+    from bulkgen.store.db import open_store
+
+    with tempfile.TemporaryDirectory() as scratch:
+        store = open_store(db_url or f"sqlite:///{scratch}/report-bench.db")
+        began = time.perf_counter()
+        job_id = make_big_job(store, num_rows, num_workers, hours)
+        click.echo(f"built job {job_id}: {num_rows:,} requests, {num_workers} workers over {hours:g} h in "
+                   f"{time.perf_counter() - began:.1f} s", err=True)
+        figures = measure(store, job_id)
+    click.echo(f"report of {figures['num_requests']:,} requests: figures {figures['figures_s']:.2f} s, page "
+               f"{figures['page_s']:.2f} s ({figures['page_bytes'] / 1024:.0f} KiB); run samples "
+               f"{figures['samples_bytes'] / 2**20:.1f} MiB of {figures['database_bytes'] / 2**20:.1f} MiB "
+               f"({100 * (figures['samples_share'] or 0):.2f} %)")
+    if json_path is not None:
+        json_path.write_text(json.dumps(figures, indent=2))

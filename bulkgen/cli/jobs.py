@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -112,34 +113,107 @@ def list_jobs(limit: int, as_json: bool, db_url: str) -> None:
 
 @click.command(cls=JobCommand, context_settings=CONTEXT)
 @click.argument("job_id", type=JOB_ID)
+@click.option("--watch", is_flag=True, help="Redraw until the job is done: counts, the last minute's rate, ETA, "
+                                            "workers, failures so far (Ctrl-C stops watching; the job goes on).")
+@click.option("--interval", "interval_s", type=click.FloatRange(min=0.1), default=2.0, show_default=True,
+              help="With --watch: seconds between redraws.")
 @json_option
 @db_option
-def status(job_id: int, as_json: bool, db_url: str) -> None:
+def status(job_id: int, watch: bool, interval_s: float, as_json: bool, db_url: str) -> None:
     """Show a job: requests by state, tokens so far, throughput and ETA.
 
     \b
     Example:
       bulkgen status 1
       bulkgen status 1 --json | jq .counts.completed
+      bulkgen status 1 --watch          # live, until the job is done (--json: a JSON line per redraw)
     """
     store = open_store(db_url)
+    if watch:
+        _watch(store, job_id, interval_s, as_json)
+        return
     with store.session_scope() as session:
         summary = job_ops.describe_jobs(session, [job_ops.get_job(session, job_id)])[0]
         errors = job_ops.first_errors(session, job_id) if not as_json else []
     if as_json:
         emit_json(summary)
         return
+    for line in _status_lines(summary, errors):
+        click.echo(line)
+
+
+def _status_lines(summary: dict[str, Any], errors: list[tuple[int, int, str]]) -> list[str]:
     c = summary["counts"]
-    click.echo(f"job {summary['id']}" + (f" ({summary['name']})" if summary["name"] else "")
-               + f": {summary['status']} · model {summary['model']}")
-    click.echo(f"requests: {summary['total']} total · {c['completed']} completed · {c['failed']} failed · "
-               f"{c['pending']} pending · {c['running']} running · {c['cancelled']} cancelled")
     rate = f" · {summary['output_tok_per_s']} output tok/s" if summary["output_tok_per_s"] is not None else ""
     eta = f" · ETA {format_duration(summary['eta_s'])}" if summary["eta_s"] is not None else ""
-    click.echo(f"tokens: {summary['num_prompt_tokens']:,} prompt · {summary['num_output_tokens']:,} output"
-               f"{rate}{eta}")
-    for row, sample, error in errors:
-        click.echo(f"  failed row {row}" + (f" sample {sample}" if sample else "") + f": {error}")
+    lines = [f"job {summary['id']}" + (f" ({summary['name']})" if summary["name"] else "")
+             + f": {summary['status']} · model {summary['model']}",
+             f"requests: {summary['total']} total · {c['completed']} completed · {c['failed']} failed · "
+             f"{c['pending']} pending · {c['running']} running · {c['cancelled']} cancelled",
+             f"tokens: {summary['num_prompt_tokens']:,} prompt · {summary['num_output_tokens']:,} output{rate}{eta}"]
+    return lines + [f"  failed row {row}" + (f" sample {sample}" if sample else "") + f": {error}"
+                    for row, sample, error in errors]
+
+
+def _watch(store: Any, job_id: int, interval_s: float, as_json: bool) -> None:
+    """Redraw (a terminal) or print a line (a log, --json: a JSON line) every interval until the job is final."""
+    import time
+
+    from bulkgen.report.figures import FINAL_JOB_STATES
+    from bulkgen.store import runs
+
+    redraw = sys.stdout.isatty() and not as_json
+    try:
+        while True:
+            with store.session_scope() as session:
+                summary = job_ops.describe_jobs(session, [job_ops.get_job(session, job_id)])[0]
+                live = runs.recent(session, job_id)
+                errors = job_ops.first_errors(session, job_id, 3)
+            c = summary["counts"]
+            remaining = c["pending"] + c["running"]
+            if live["requests_per_s"] and remaining and summary["status"] == "running":
+                summary["eta_s"] = round(remaining / live["requests_per_s"], 1)  # at the last minute's pace
+            summary["recent"] = live
+            final = summary["status"] in FINAL_JOB_STATES
+            if as_json:
+                click.echo(json.dumps(summary, default=str))
+            elif redraw:
+                click.echo("\x1b[H\x1b[2J" + "\n".join(_watch_lines(summary, live, errors)))
+            else:
+                click.echo(_watch_line(summary, live))
+            if final:
+                return
+            time.sleep(interval_s)
+    except KeyboardInterrupt:
+        pass
+
+
+def _watch_lines(summary: dict[str, Any], live: dict[str, Any], errors: list[tuple[int, int, str]]) -> list[str]:
+    c, total = summary["counts"], max(summary["total"], 1)
+    done = c["completed"] + c["failed"]
+    bar = "#" * int(30 * done / total) + "." * (30 - int(30 * done / total))
+    rate = (f"{live['output_tok_per_s']:,.1f} output tok/s and {live['requests_per_s']:.2f} requests/s over the "
+            f"last minute" if live["output_tok_per_s"] is not None else "no work in the last minute")
+    eta = f" · ETA {format_duration(summary['eta_s'])}" if summary["eta_s"] is not None else ""
+    workers = f"{len(live['workers'])} worker(s) holding requests" + \
+        (f": {', '.join(live['workers'])}" if live["workers"] else "")
+    lines = _status_lines(summary, [])
+    lines[1:1] = [f"[{bar}] {100 * done / total:.0f}% · {rate}{eta}", workers]
+    if c["failed"]:
+        lines += [f"failed so far: {c['failed']} (`bulkgen report {summary['id']}` groups them; "
+                  f"`bulkgen retry {summary['id']}` retries)"]
+        lines += [f"  row {row}" + (f" sample {sample}" if sample else "") + f": {error}"
+                  for row, sample, error in errors]
+    return lines + ["(watching: Ctrl-C stops watching; the job goes on)"]
+
+
+def _watch_line(summary: dict[str, Any], live: dict[str, Any]) -> str:
+    c = summary["counts"]
+    rate = f" · {live['output_tok_per_s']:,.1f} output tok/s" if live["output_tok_per_s"] is not None else ""
+    eta = f" · ETA {format_duration(summary['eta_s'])}" if summary["eta_s"] is not None else ""
+    return (f"job {summary['id']}: {summary['status']} · {c['completed']}/{summary['total']} completed · "
+            f"{c['failed']} failed · {c['pending']} pending · {c['running']} running{rate}{eta} · "
+            f"{len(live['workers'])} worker(s)")
 
 
 @click.command(cls=JobCommand, context_settings=CONTEXT)

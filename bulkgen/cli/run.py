@@ -41,6 +41,9 @@ from bulkgen.worker import Worker, WorkerOptions
 @click.option("--db-outage-s", type=float, default=900.0, show_default=True,
               help="How long the database may be unreachable (restarting, failing over, a dropped connection) "
                    "while the worker keeps generating and holds its results; past it the run stops (0: at once).")
+@click.option("--sample-every", type=click.FloatRange(min=0.1), default=10.0, show_default=True,
+              help="Seconds between the run's samples (throughput, running sequences, KV use) kept for "
+                   "`bulkgen report` and `status --watch`.")
 @click.option("--packing", type=click.Choice(PACKINGS), default=DEFAULT_PACKING, show_default=True,
               help="Admission order: lpt = most output tokens first; sorted = by prompt length; fifo = as "
                    "submitted.")
@@ -65,7 +68,8 @@ from bulkgen.worker import Worker, WorkerOptions
 @json_option
 @db_option
 def run(job_ids: tuple[int, ...], as_json: bool, db_url: str, lease_seconds: float, commit_every: int,
-        commit_interval: float, max_attempts: int, drain_timeout: float, db_outage_s: float, packing: str,
+        commit_interval: float, max_attempts: int, drain_timeout: float, db_outage_s: float, sample_every: float,
+        packing: str,
         kv_admission: bool, wait: bool, log_every: float, progress: bool, verbose: bool, use_ray: bool,
         workers: int | None, ray_address: str | None, gpus_per_worker: float | None, cpus_per_worker: float,
         max_restarts: int, **engine: Any) -> None:
@@ -89,7 +93,8 @@ def run(job_ids: tuple[int, ...], as_json: bool, db_url: str, lease_seconds: flo
     options = WorkerOptions(job_ids=job_ids, lease_s=lease_seconds, commit_rows=commit_every,
                             commit_interval_s=commit_interval, max_attempts=max_attempts,
                             drain_timeout_s=drain_timeout, packing=packing, kv_admission=kv_admission, wait=wait,
-                            progress=progress and not as_json, log_every_s=log_every, db_outage_s=db_outage_s)
+                            progress=progress and not as_json, log_every_s=log_every, db_outage_s=db_outage_s,
+                            sample_interval_s=sample_every)
     config = engine_config(engine)  # a bad flag is refused before the database is touched
     ray_flags = {"--workers": workers, "--ray-address": ray_address, "--gpus-per-worker": gpus_per_worker}
     if not use_ray and any(value is not None for value in ray_flags.values()):

@@ -137,6 +137,7 @@ class Engine:
                      sampled_seqs: list[Sequence]) -> list[RequestOutput]:
         now = time.monotonic()
         self.scheduler.update(scheduled)
+        self.stats.num_running, self.stats.kv_usage = len(scheduled.scheduled), self.block_manager.usage
         num_decodes = 0
         for s in scheduled.scheduled:
             num_decodes += s.num_new_tokens == 1

@@ -1,4 +1,5 @@
-"""The job store's tables: jobs, requests (one per input row × sample), results, workers.
+"""The job store's tables: jobs, requests (one per input row × sample), results, workers, and the workers'
+run samples (what `bulkgen report` plots).
 
 The schema exists only through the Alembic migrations in `migrations/`; a test checks that those
 migrations and these models agree.
@@ -155,3 +156,30 @@ class Worker(Base):
     heartbeat_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
     num_completed: Mapped[int] = mapped_column(Integer, default=0)
     num_output_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    # What it ran with, once its engine is up: engine line, dtype, KV cache, packing (`bulkgen report`)
+    settings: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+
+
+class RunSample(Base):
+    """What one worker did for one job in one interval (~10 s): a few rows a minute per worker, so a report
+    of a million-row job reads thousands of rows, not millions. A worker serving several jobs of one model
+    at once writes a row for each, the engine's tokens shared by what each job finished (recorder.py)."""
+
+    __tablename__ = "run_samples"
+    __table_args__ = (Index("ix_run_samples_job_started", "job_id", "started_at"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    worker_id: Mapped[str] = mapped_column(String(200))
+    started_at: Mapped[datetime] = mapped_column(DateTime)
+    seconds: Mapped[float] = mapped_column(Float)
+    num_steps: Mapped[int] = mapped_column(Integer)
+    num_output_tokens: Mapped[int] = mapped_column(Integer)  # generated in the interval, finished or not
+    num_prompt_tokens: Mapped[int] = mapped_column(Integer)  # prompt tokens computed (recomputation included)
+    num_finished: Mapped[int] = mapped_column(Integer)  # requests that finished (completed or failed)
+    num_failed: Mapped[int] = mapped_column(Integer)
+    num_preemptions: Mapped[int] = mapped_column(Integer)
+    mean_running: Mapped[float] = mapped_column(Float)  # sequences in a step, over the interval's steps
+    max_running: Mapped[int] = mapped_column(Integer)
+    mean_kv_usage: Mapped[float] = mapped_column(Float)  # share of KV blocks held after scheduling
+    max_kv_usage: Mapped[float] = mapped_column(Float)

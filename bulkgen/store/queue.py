@@ -271,6 +271,11 @@ def settle_jobs(session: Session, job_ids: list[int]) -> None:
         job.finished_at = utcnow()
 
 
+def is_gone(hostname: str, pid: int) -> bool:
+    """Whether a worker's process is known to be gone: on this host and no longer running."""
+    return hostname == socket.gethostname() and pid != os.getpid() and not _pid_alive(pid)
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

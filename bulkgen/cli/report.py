@@ -1,0 +1,78 @@
+"""`bulkgen report`: a job's figures as one self-contained HTML page with plots, as JSON, or served live."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from bulkgen.cli.options import CONTEXT, JOB_ID, JobCommand, db_option, emit_json, json_option
+from bulkgen.errors import ConfigError
+from bulkgen.report.figures import NUM_EXAMPLES, build_report
+from bulkgen.store.db import open_store
+
+
+@click.command(cls=JobCommand, context_settings=CONTEXT)
+@click.argument("job_ids", nargs=-1, required=True, type=JOB_ID)
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
+              help="The HTML file to write. Default: bulkgen-report-JOB.html (without --json or --serve).")
+@click.option("--serve", is_flag=True, help="Serve the page from the database, its figures read again as workers "
+                                            "run (Ctrl-C stops serving).")
+@click.option("--host", default="127.0.0.1", show_default=True, help="With --serve: the address to bind.")
+@click.option("--port", type=click.IntRange(0, 65535), default=8765, show_default=True,
+              help="With --serve: the port (0: any free one).")
+@click.option("--refresh", "refresh_s", type=click.FloatRange(min=1), default=5.0, show_default=True,
+              help="With --serve: seconds between the page's reloads while a job runs.")
+@click.option("--examples", "num_examples", type=click.IntRange(0, 1000), default=NUM_EXAMPLES, show_default=True,
+              help="Sample rows shown: this many first rows and this many at random.")
+@json_option
+@db_option
+def report(job_ids: tuple[int, ...], output: Path | None, serve: bool, host: str, port: int, refresh_s: float,
+           num_examples: int, as_json: bool, db_url: str) -> None:
+    """See what jobs did: throughput over time, lengths, latencies, finish reasons, failures, JSON validity,
+    the runs' settings and sample rows, as one HTML page that opens offline (plots embedded).
+
+    \b
+    Example:
+      bulkgen report 1 -o report.html
+      bulkgen report 1 2 --json | jq '.jobs[].finish_reasons'
+      bulkgen report 1 --serve          # http://127.0.0.1:8765/, refreshed while workers run
+    """
+    store = open_store(db_url)
+    ids = list(dict.fromkeys(job_ids))
+    if serve:
+        if output is not None or as_json:
+            raise ConfigError("--serve serves the page (its figures at /report.json): leave out -o and --json")
+        _serve(store, ids, host, port, refresh_s, num_examples)
+        return
+    figures = build_report(store, ids, num_examples)
+    if as_json:
+        emit_json(figures)
+        if output is None:
+            return
+    from bulkgen.report.page import render  # matplotlib, only for the page
+
+    path = output or Path(f"bulkgen-report-{'-'.join(map(str, ids))}.html")
+    page = render(figures)
+    path.write_text(page, encoding="utf-8")
+    if not as_json:
+        click.echo(f"report of job{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids))}: {path} "
+                   f"({len(page) / 1024:.0f} KiB, opens offline)")
+
+
+def _serve(store, job_ids: list[int], host: str, port: int, refresh_s: float, num_examples: int) -> None:
+    from bulkgen.report.plots import _matplotlib
+    from bulkgen.report.serve import ReportServer
+
+    _matplotlib()  # refused now, not at the first page load
+    build_report(store, job_ids, 0)  # a job that does not exist: refused before serving
+    try:
+        server = ReportServer(store, job_ids, host, port, refresh_s, num_examples)
+    except OSError as exc:
+        raise ConfigError(f"cannot serve on {host}:{port} ({exc.strerror or exc}): choose another --port") from exc
+    click.echo(f"serving the report of job{'s' if len(job_ids) > 1 else ''} {', '.join(map(str, job_ids))} at "
+               f"{server.url} (figures at {server.url}report.json; Ctrl-C stops)", err=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass

@@ -1,0 +1,318 @@
+"""A job's report as data: the same figures the page plots, and what `bulkgen report --json` prints.
+
+Read from the store only: the job's summary (the very dict `bulkgen status --json` prints, so the two agree),
+every request's outcome in a few columns (one query, no text: a 100,000-row job's report takes about a second),
+the workers' interval samples (throughput, running sequences, KV use over time) and their settings, a page of
+failures and sample rows, and for constrained jobs each output checked against its schema.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from collections import defaultdict
+from datetime import datetime, timedelta
+from typing import Any
+
+import numpy as np
+from sqlalchemy.orm import Session
+
+from bulkgen.store import jobs as job_ops
+from bulkgen.store import queue as q
+from bulkgen.store import report as reads
+from bulkgen.store import runs
+from bulkgen.store.db import Store
+from bulkgen.store.models import JobStatus, RequestState, utcnow
+
+LENGTH_WARNING_SHARE = 0.1  # more than this share cut by max_new_tokens: the page says "give the budget room"
+NUM_EXAMPLES = 5
+NUM_HISTOGRAM_BINS = 30
+LOST_AFTER_S = 300.0  # a worker elsewhere silent this long is reported lost (one here: as soon as its process is gone)
+GAP_FLOOR_S = 5.0  # no work for longer than this (and three samples) is a gap
+FINAL_JOB_STATES = (JobStatus.COMPLETED.value, JobStatus.FAILED.value, JobStatus.CANCELLED.value)
+
+
+def build_report(store: Store, job_ids: list[int], num_examples: int = NUM_EXAMPLES) -> dict[str, Any]:
+    with store.session_scope() as session:
+        jobs = [job_report(session, job_id, num_examples) for job_id in job_ids]
+    return {"generated_at": _iso(utcnow()), "jobs": jobs}
+
+
+def job_report(session: Session, job_id: int, num_examples: int = NUM_EXAMPLES) -> dict[str, Any]:
+    job = job_ops.get_job(session, job_id)
+    summary = job_ops.describe_jobs(session, [job])[0]
+    outcomes = reads.outcomes(session, job_id)
+    samples = runs.job_samples(session, job_id)
+    rates = throughput(samples, [] if samples else reads.commits(session, job_id))
+    return {
+        "id": job_id,
+        "summary": summary,
+        "settings": _settings(job),
+        "runs": _runs(session, job_id),
+        "throughput": rates,
+        "engine": engine_series(samples, rates),
+        "distributions": distributions(outcomes),
+        "finish_reasons": finish_reasons(outcomes),
+        "failures": failure_groups(reads.failures(session, job_id), job_id),
+        "json_schema": schema_validity(session, job_id, job.spec.get("sampling", {}).get("json_schema"),
+                                       job.spec.get("json_schema_column")),
+        "examples": examples(session, job_id, num_examples),
+        "is_final": job.status in FINAL_JOB_STATES,
+    }
+
+
+# ---------------------------------------------------------------------------------------------- settings, runs
+
+def _settings(job: Any) -> dict[str, Any]:
+    spec = job.spec
+    sampling = dict(spec.get("sampling") or {})
+    if sampling.get("json_schema"):
+        sampling["json_schema"] = "(set: see the JSON schema section)"
+    return {"model": job.model, "model_path": job.model_path, "input": job.input_path,
+            "input_columns": job.input_columns, "n": spec.get("n", 1), "chat": spec.get("uses_chat", spec.get("chat")),
+            "prompt_column": spec.get("prompt_column"), "messages_column": spec.get("messages_column"),
+            "json_schema_column": spec.get("json_schema_column"), "sampling": sampling}
+
+
+def _runs(session: Session, job_id: int) -> list[dict[str, Any]]:
+    """Each worker that worked on the job: when, how it ended, what it committed, what it ran with."""
+    out = []
+    for worker, num_committed, num_tokens in runs.job_workers(session, job_id):
+        if worker.status == "stopped":
+            ended = "stopped"
+        elif worker.status == "dead" or q.is_gone(worker.hostname, worker.pid) or \
+                (utcnow() - worker.heartbeat_at).total_seconds() > LOST_AFTER_S:
+            ended = f"lost: no heartbeat since {_iso(worker.heartbeat_at)} (killed, or its machine went away)"
+        else:
+            ended = "running"
+        out.append({"worker_id": worker.id, "hostname": worker.hostname, "pid": worker.pid,
+                    "started_at": _iso(worker.started_at), "last_seen": _iso(worker.heartbeat_at), "status": ended,
+                    "num_committed": num_committed, "num_output_tokens": num_tokens, "settings": worker.settings})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- over time
+
+def _bin_seconds(span_s: float, finest_s: float) -> int:
+    """Per minute once a run is long enough to have a shape (coarser past 12 hours); finer for a short one,
+    but never finer than its samples."""
+    for bin_s in (1, 2, 5, 10, 30, 60, 300, 900, 3600):
+        if bin_s >= finest_s and (span_s / bin_s <= 60 or bin_s >= 60 and span_s / bin_s <= 720):
+            return bin_s
+    return 3600
+
+
+def throughput(samples: list[Any], commits: list[Any]) -> dict[str, Any]:
+    """Output tokens a second in bins (a minute, where the run is long), per worker and in all, and the gaps
+    where nothing ran. From the workers' samples; for a job run without them (before they were recorded),
+    from the results' commit times ("source": "commits")."""
+    if samples:
+        events = [(s.started_at, s.seconds, s.worker_id, s.num_output_tokens, s.num_finished) for s in samples]
+        source = "samples"
+    else:
+        events = [(c.finished_at, 0.0, c.worker_id or "-", c.num_output_tokens, 1) for c in commits]
+        source = "commits"
+    if not events:
+        return {"source": source, "bin_s": None, "start": None, "series": [], "gaps": []}
+    start = min(e[0] for e in events)
+    end = max(e[0] + timedelta(seconds=e[1]) for e in events)
+    finest = float(np.median([e[1] for e in events])) if source == "samples" else 10.0
+    bin_s = _bin_seconds((end - start).total_seconds(), finest)
+    num_bins = int((end - start).total_seconds() // bin_s) + 1
+    tokens: dict[str, np.ndarray] = defaultdict(lambda: np.zeros(num_bins))
+    finished: dict[str, np.ndarray] = defaultdict(lambda: np.zeros(num_bins))
+    for at, seconds, worker, num_tokens, num_finished in events:
+        i = min(int(((at - start).total_seconds() + seconds / 2) // bin_s), num_bins - 1)
+        tokens[worker][i] += num_tokens
+        finished[worker][i] += num_finished
+    series = [{"worker_id": w, "output_tok_per_s": _round(tokens[w] / bin_s),
+               "requests_per_s": _round(finished[w] / bin_s, 3)} for w in sorted(tokens)]
+    total = sum(tokens.values())
+    series.append({"worker_id": "all", "output_tok_per_s": _round(total / bin_s),
+                   "requests_per_s": _round(sum(finished.values()) / bin_s, 3)})
+    return {"source": source, "bin_s": bin_s, "start": _iso(start), "end": _iso(end), "series": series,
+            "gaps": gaps(events) if source == "samples" else []}
+
+
+def gaps(events: list[tuple]) -> list[dict[str, Any]]:
+    """Stretches where no worker ran anything for the job, longer than three samples (a stop and a resume, a
+    worker killed and its successor, the database away)."""
+    spans = sorted((at, at + timedelta(seconds=seconds)) for at, seconds, *_ in events)
+    typical = float(np.median([seconds for _, seconds, *_ in events]))
+    out, covered = [], spans[0][1]
+    for begin, finish in spans[1:]:
+        if (begin - covered).total_seconds() > max(3 * typical, GAP_FLOOR_S):
+            out.append({"from": _iso(covered), "to": _iso(begin),
+                        "seconds": round((begin - covered).total_seconds(), 1)})
+        covered = max(covered, finish)
+    return out
+
+
+def engine_series(samples: list[Any], throughput: dict[str, Any]) -> dict[str, Any]:
+    """Per worker, in the throughput's bins: running sequences (mean over the bin's steps), KV blocks held
+    (the bin's highest share) and preemptions; None in bins where the worker ran nothing."""
+    out: dict[str, Any] = {"num_samples": len(samples), "num_preemptions": int(sum(s.num_preemptions for s in samples)),
+                           "series": []}
+    if not samples or throughput["bin_s"] is None:
+        return out
+    start, bin_s = datetime.fromisoformat(throughput["start"].rstrip("Z")), throughput["bin_s"]
+    num_bins = len(throughput["series"][-1]["output_tok_per_s"])
+    for worker in sorted({s.worker_id for s in samples}):
+        steps, running, kv, preempted = (np.zeros(num_bins) for _ in range(4))
+        for s in samples:
+            if s.worker_id != worker:
+                continue
+            i = min(int(((s.started_at - start).total_seconds() + s.seconds / 2) // bin_s), num_bins - 1)
+            steps[i] += s.num_steps
+            running[i] += s.mean_running * s.num_steps
+            kv[i] = max(kv[i], s.max_kv_usage)
+            preempted[i] += s.num_preemptions
+        ran = steps > 0
+        out["series"].append({
+            "worker_id": worker,
+            "mean_running": [round(r / n, 2) if n else None for r, n in zip(running, steps, strict=True)],
+            "max_kv_usage": [round(float(k), 4) if r else None for k, r in zip(kv, ran, strict=True)],
+            "num_preemptions": [int(p) for p in preempted]})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- per request
+
+def distributions(outcomes: list[Any]) -> dict[str, Any]:
+    """Prompt tokens (every request), output tokens, time to first token and latency (committed results)."""
+    columns = {"prompt_tokens": [o.num_prompt_tokens for o in outcomes],
+               "output_tokens": [o.num_output_tokens for o in outcomes if o.finish_reason is not None],
+               "time_to_first_token_s": [o.time_to_first_token_s for o in outcomes
+                                         if o.time_to_first_token_s is not None],
+               "latency_s": [o.latency_s for o in outcomes if o.latency_s is not None]}
+    return {name: describe(np.asarray(values, dtype=float), integer=name.endswith("tokens"))
+            for name, values in columns.items()}
+
+
+def describe(values: np.ndarray, integer: bool) -> dict[str, Any]:
+    if values.size == 0:
+        return {"count": 0}
+    low, high = float(values.min()), float(values.max())
+    if integer:
+        step = max(1, int(np.ceil((high - low + 1) / NUM_HISTOGRAM_BINS)))
+        edges = np.arange(low, high + step + 1, step) - 0.5
+    else:
+        edges = np.linspace(low, high if high > low else low + 1e-3, NUM_HISTOGRAM_BINS + 1)
+    counts, edges = np.histogram(values, bins=edges)
+    p50, p90, p99 = np.percentile(values, [50, 90, 99])
+    digits = 0 if integer else 4
+    return {"count": int(values.size), "sum": round(float(values.sum()), digits),
+            "mean": round(float(values.mean()), 4),
+            "min": round(low, digits), "p50": round(float(p50), 4), "p90": round(float(p90), 4),
+            "p99": round(float(p99), 4), "max": round(high, digits),
+            "histogram": {"edges": _round(edges, 4), "counts": [int(c) for c in counts]}}
+
+
+def finish_reasons(outcomes: list[Any]) -> dict[str, Any]:
+    """Completed results by finish reason, failed requests as "error"; shares of the finished; a warning when
+    more than a tenth were cut by max_new_tokens."""
+    counts: dict[str, int] = defaultdict(int)
+    unfinished = 0
+    for o in outcomes:
+        if o.finish_reason is not None:
+            counts[o.finish_reason] += 1
+        elif o.state == RequestState.FAILED.value:
+            counts["error"] += 1
+        else:
+            unfinished += 1
+    finished = sum(counts.values())
+    shares = {reason: round(n / finished, 4) for reason, n in counts.items()} if finished else {}
+    completed = finished - counts.get("error", 0)
+    length_share = counts.get("length", 0) / completed if completed else 0.0
+    warning = (f"{counts['length']:,} of {completed:,} outputs ({length_share:.0%}) were cut by max_new_tokens: "
+               "give the budget room (--max-new-tokens)") if length_share > LENGTH_WARNING_SHARE else None
+    return {"counts": dict(sorted(counts.items())), "shares": dict(sorted(shares.items())), "num_finished": finished,
+            "num_unfinished": unfinished, "length_share": round(length_share, 4), "warning": warning}
+
+
+def failure_groups(failed: list[Any], job_id: int, num_examples: int = 3) -> dict[str, Any]:
+    """Failed requests grouped by reason (numbers in the message aside: "the prompt has 5000 tokens" and
+    "... 7000 tokens" are one reason), largest first, with a few rows each and the command that retries them."""
+    groups: dict[str, list[Any]] = defaultdict(list)
+    for f in failed:
+        groups[re.sub(r"\d+", "N", f.error or "unknown")].append(f)
+    ordered = sorted(groups.values(), key=lambda g: (-len(g), g[0].row))
+    return {"num_failed": len(failed), "retry": f"bulkgen retry {job_id}" if failed else None,
+            "groups": [{"reason": g[0].error or "unknown", "count": len(g),
+                        "examples": [{"row": f.row, "sample": f.sample, "custom_id": f.custom_id, "error": f.error}
+                                     for f in g[:num_examples]]} for g in ordered]}
+
+
+def schema_validity(session: Session, job_id: int, job_schema: str | None, schema_column: str | None,
+                    page_size: int = 5000) -> dict[str, Any] | None:
+    """For a constrained job: how many committed outputs are complete (ended by the grammar or a stop, not
+    cut by max_new_tokens) and valid JSON against their schema (the `jsonschema` package where installed,
+    else parsed only)."""
+    if job_schema is None and schema_column is None:
+        return None
+    try:
+        import jsonschema
+    except ImportError:
+        jsonschema = None
+    validators: dict[str, Any] = {}
+    num_outputs = num_complete = num_valid = 0
+    invalid: list[dict[str, Any]] = []
+    after = 0
+    while page := reads.constrained_page(session, job_id, after, page_size):
+        after = page[-1].id
+        for _, text, finish_reason, params in page:
+            schema = ((params or {}).get("sampling") or {}).get("json_schema") or job_schema
+            if schema is None:
+                continue
+            num_outputs += 1
+            if finish_reason == "length":
+                continue
+            num_complete += 1
+            problem = _schema_problem(text, schema, validators, jsonschema)
+            if problem is None:
+                num_valid += 1
+            elif len(invalid) < NUM_EXAMPLES:
+                invalid.append({"text": text[:300], "problem": problem})
+    return {"num_outputs": num_outputs, "num_complete": num_complete, "num_valid": num_valid,
+            "complete_share": round(num_complete / num_outputs, 4) if num_outputs else None,
+            "valid_share": round(num_valid / num_outputs, 4) if num_outputs else None,
+            "checked_with": "jsonschema" if jsonschema is not None else "json.loads (install jsonschema to validate)",
+            "invalid_examples": invalid}
+
+
+def _schema_problem(text: str, schema: str, validators: dict[str, Any], jsonschema: Any) -> str | None:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        return f"not JSON: {exc}"
+    if jsonschema is None:
+        return None
+    if schema not in validators:
+        loaded = json.loads(schema)
+        validators[schema] = jsonschema.validators.validator_for(loaded)(loaded)
+    error = next(iter(validators[schema].iter_errors(value)), None)
+    return None if error is None else f"{error.message} (at {'/'.join(map(str, error.absolute_path)) or 'top'})"
+
+
+def examples(session: Session, job_id: int, num_examples: int) -> dict[str, list[dict[str, Any]]]:
+    """The first rows and rows at random (the same ones each time for a job), prompt beside output."""
+    total = reads.num_rows(session, job_id)
+    first = list(range(min(num_examples, total)))
+    rest = range(len(first), total)
+    chosen = sorted(random.Random(job_id).sample(rest, min(num_examples, len(rest))))
+
+    def shown(row_ids: list[int]) -> list[dict[str, Any]]:
+        return [{"row": r.row, "sample": r.sample, "state": r.state, "prompt": r.prompt, "output": r.text,
+                 "finish_reason": r.finish_reason, "num_output_tokens": r.num_output_tokens, "error": r.error}
+                for r in reads.rows(session, job_id, row_ids)] if row_ids else []
+
+    return {"first": shown(first), "random": shown(chosen)}
+
+
+def _round(values: Any, digits: int = 2) -> list[float]:
+    return [round(float(v), digits) for v in values]
+
+
+def _iso(moment: datetime | None) -> str | None:
+    return moment.isoformat(timespec="seconds") + "Z" if moment else None
