@@ -98,7 +98,7 @@ def _bin_seconds(span_s: float, finest_s: float) -> int:
     """Per minute once a run is long enough to have a shape (coarser past 12 hours); finer for a short one,
     but never finer than its samples."""
     for bin_s in (1, 2, 5, 10, 30, 60, 300, 900, 3600):
-        if bin_s >= finest_s and (span_s / bin_s <= 60 or bin_s >= 60 and span_s / bin_s <= 720):
+        if bin_s >= 0.9 * finest_s and (span_s / bin_s <= 60 or bin_s >= 60 and span_s / bin_s <= 720):
             return bin_s
     return 3600
 
@@ -122,15 +122,30 @@ def throughput(samples: list[Any], commits: list[Any]) -> dict[str, Any]:
     num_bins = int((end - start).total_seconds() // bin_s) + 1
     tokens: dict[str, np.ndarray] = defaultdict(lambda: np.zeros(num_bins))
     finished: dict[str, np.ndarray] = defaultdict(lambda: np.zeros(num_bins))
+    covered: dict[str, np.ndarray] = defaultdict(lambda: np.zeros(num_bins))
     for at, seconds, worker, num_tokens, num_finished in events:
-        i = min(int(((at - start).total_seconds() + seconds / 2) // bin_s), num_bins - 1)
-        tokens[worker][i] += num_tokens
-        finished[worker][i] += num_finished
-    series = [{"worker_id": w, "output_tok_per_s": _round(tokens[w] / bin_s),
-               "requests_per_s": _round(finished[w] / bin_s, 3)} for w in sorted(tokens)]
-    total = sum(tokens.values())
-    series.append({"worker_id": "all", "output_tok_per_s": _round(total / bin_s),
-                   "requests_per_s": _round(sum(finished.values()) / bin_s, 3)})
+        begin = (at - start).total_seconds()
+        if seconds <= 0:  # a commit: a moment
+            i = min(int(begin // bin_s), num_bins - 1)
+            tokens[worker][i] += num_tokens
+            finished[worker][i] += num_finished
+            continue
+        for i in range(int(begin // bin_s), min(int((begin + seconds) // bin_s) + 1, num_bins)):
+            overlap = min(begin + seconds, (i + 1) * bin_s) - max(begin, i * bin_s)
+            if overlap > 0:  # a sample across two bins: each its share
+                tokens[worker][i] += num_tokens * overlap / seconds
+                finished[worker][i] += num_finished * overlap / seconds
+                covered[worker][i] += overlap
+    # A worker's rate in a bin is over the time it ran there (a run's first and last bins are partly empty);
+    # all workers' rate is the sum of theirs. Commit times say nothing of that: over the whole bin.
+    spans = {w: np.clip(covered[w], 1e-9, bin_s) if source == "samples" else np.full(num_bins, float(bin_s))
+             for w in tokens}
+    rates = {w: tokens[w] / spans[w] for w in tokens}
+    series = [{"worker_id": w, "output_tok_per_s": _round(rates[w]),
+               "requests_per_s": _round(finished[w] / spans[w], 3),
+               "seconds_run": _round(covered[w], 3) if source == "samples" else None} for w in sorted(tokens)]
+    series.append({"worker_id": "all", "output_tok_per_s": _round(sum(rates.values())),
+                   "requests_per_s": _round(sum(finished[w] / spans[w] for w in tokens), 3)})
     return {"source": source, "bin_s": bin_s, "start": _iso(start), "end": _iso(end), "series": series,
             "gaps": gaps(events) if source == "samples" else []}
 

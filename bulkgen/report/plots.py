@@ -114,7 +114,8 @@ def _histogram(ax: Any, dist: dict[str, Any], label: str, color: str, upper: flo
         return
     edges, counts = dist["histogram"]["edges"], dist["histogram"]["counts"]
     ax.stairs(counts, edges, fill=True, color=color, alpha=0.8)
-    ax.set_xlim(0, max(edges[-1], upper or 0) * 1.04)
+    if upper is not None:  # output lengths: from nothing to the budget, so that "cut by the budget" shows
+        ax.set_xlim(0, max(edges[-1], upper) * 1.04)
     ax.xaxis.set_major_locator(MaxNLocator(6))
     ax.axvline(dist["p50"], color="#333", linewidth=1, linestyle="--")
     ax.set_xlabel(f"{label} (median {dist['p50']:g}, p90 {dist['p90']:g})")
