@@ -216,11 +216,10 @@ def describe(values: np.ndarray, integer: bool) -> dict[str, Any]:
         edges = np.linspace(low, high if high > low else low + 1e-3, NUM_HISTOGRAM_BINS + 1)
     counts, edges = np.histogram(values, bins=edges)
     p50, p90, p99 = np.percentile(values, [50, 90, 99])
-    digits = 0 if integer else 4
-    return {"count": int(values.size), "sum": round(float(values.sum()), digits),
-            "mean": round(float(values.mean()), 4),
-            "min": round(low, digits), "p50": round(float(p50), 4), "p90": round(float(p90), 4),
-            "p99": round(float(p99), 4), "max": round(high, digits),
+    exact = int if integer else (lambda v: round(float(v), 4))  # token counts stay whole numbers
+    return {"count": int(values.size), "sum": exact(values.sum()), "mean": round(float(values.mean()), 4),
+            "min": exact(low), "p50": round(float(p50), 4), "p90": round(float(p90), 4),
+            "p99": round(float(p99), 4), "max": exact(high),
             "histogram": {"edges": _round(edges, 4), "counts": [int(c) for c in counts]}}
 
 

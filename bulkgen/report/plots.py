@@ -178,6 +178,11 @@ def _engine(job: dict[str, Any]) -> Any:
         kv = [float("nan") if v is None else 100 * v for v in s["max_kv_usage"]]
         left.stairs(running, edges, linewidth=1.2, label=label)
         right.stairs(kv, edges, linewidth=1.2, label=label)
+    limits = {(r["settings"] or {}).get("max_num_seqs") for r in job["runs"]} - {None}
+    if len(limits) == 1:  # occupancy: how full the batch ran against its limit
+        (limit,) = limits
+        left.axhline(limit, color="#999", linestyle="--", linewidth=1, label=f"--max-num-seqs {limit}")
+        left.legend(frameon=False, fontsize=7)
     left.set_ylabel("running sequences (mean)")
     right.set_ylabel("KV blocks held, % (max)")
     right.set_ylim(0, 105)
