@@ -12,9 +12,10 @@ A database that goes away (a restart, a failover, a dropped connection) is waite
 claims nothing, keeps stepping what it holds, keeps the rows, and its next write is the probe; each store call
 goes through `_db`, which starts, extends or ends the outage.
 
-The lease and its heartbeat, and the signals that drain a run, live in lease.py. (Over 300 lines: the
-loop's named steps, its shutdown and the run's options and summary stay together, one class that a
-reader follows top to bottom.)
+What the run did, interval by interval (tokens, running sequences, KV use), is summed by recorder.py and
+written with the commits, for `bulkgen report`. The lease and its heartbeat, and the signals that drain a
+run, live in lease.py. (Over 300 lines: the loop's named steps, its shutdown and the run's options and
+summary stay together, one class that a reader follows top to bottom.)
 """
 
 from __future__ import annotations
