@@ -262,6 +262,16 @@ def test_report_refuses_what_it_cannot_do(jobs: dict, tmp_path: Path) -> None:
     invoke("report", "-1", "--db", jobs["db"], expect=2)
 
 
+def test_without_job_ids_the_unfinished_jobs_or_else_the_newest(jobs: dict, tmp_path: Path,
+                                                                 tiny_model_dir: Path) -> None:
+    assert [j["id"] for j in report_json(jobs["db"])["jobs"]] == [jobs["schema"]]  # all finished: the newest
+    db = f"sqlite:///{tmp_path / 'none.db'}"
+    assert "no jobs yet" in invoke("report", "--db", db, expect=2).output
+    data = write_parquet(tmp_path / "in.parquet", {"prompt": ["a b", "c d"]})
+    queued = [invoke_json("submit", data, "--model", tiny_model_dir, "--db", db)["job_id"] for _ in range(2)]
+    assert [j["id"] for j in report_json(db)["jobs"]] == queued
+
+
 def test_a_job_not_run_yet_and_a_job_without_samples(jobs: dict, tmp_path: Path, tiny_model_dir: Path) -> None:
     db = f"sqlite:///{tmp_path / 'fresh.db'}"
     data = write_parquet(tmp_path / "in.parquet", {"prompt": ["one two", "three four five"]})

@@ -8,12 +8,12 @@ import click
 
 from bulkgen.cli.options import CONTEXT, JOB_ID, JobCommand, db_option, emit_json, json_option
 from bulkgen.errors import ConfigError
-from bulkgen.report.figures import NUM_EXAMPLES, build_report
+from bulkgen.report.figures import NUM_EXAMPLES, build_report, current_jobs
 from bulkgen.store.db import open_store
 
 
 @click.command(cls=JobCommand, context_settings=CONTEXT)
-@click.argument("job_ids", nargs=-1, required=True, type=JOB_ID)
+@click.argument("job_ids", nargs=-1, type=JOB_ID)
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
               help="The HTML file to write. Default: bulkgen-report-JOB.html (without --json or --serve).")
 @click.option("--serve", is_flag=True, help="Serve the page from the database, its figures read again as workers "
@@ -30,16 +30,20 @@ from bulkgen.store.db import open_store
 def report(job_ids: tuple[int, ...], output: Path | None, serve: bool, host: str, port: int, refresh_s: float,
            num_examples: int, as_json: bool, db_url: str) -> None:
     """See what jobs did: throughput over time, lengths, latencies, finish reasons, failures, JSON validity,
-    the runs' settings and sample rows, as one HTML page that opens offline (plots embedded).
+    the runs' settings and sample rows, as one HTML page that opens offline (plots embedded). Without job
+    ids: the jobs not finished yet, or else the newest job (with --serve: looked up again at each load).
 
     \b
     Example:
       bulkgen report 1 -o report.html
       bulkgen report 1 2 --json | jq '.jobs[].finish_reasons'
       bulkgen report 1 --serve          # http://127.0.0.1:8765/, refreshed while workers run
+      bulkgen report --serve            # whatever is running now
     """
     store = open_store(db_url)
     ids = list(dict.fromkeys(job_ids))
+    if not ids and not serve:
+        ids = current_jobs(store)
     if serve:
         if output is not None or as_json:
             raise ConfigError("--serve serves the page (its figures at /report.json): leave out -o and --json")
@@ -65,13 +69,15 @@ def _serve(store, job_ids: list[int], host: str, port: int, refresh_s: float, nu
     from bulkgen.report.serve import ReportServer
 
     _matplotlib()  # refused now, not at the first page load
-    build_report(store, job_ids, 0)  # a job that does not exist: refused before serving
+    build_report(store, job_ids or current_jobs(store), 0)  # a job that does not exist: refused before serving
     try:
         server = ReportServer(store, job_ids, host, port, refresh_s, num_examples)
     except OSError as exc:
         raise ConfigError(f"cannot serve on {host}:{port} ({exc.strerror or exc}): choose another --port") from exc
-    click.echo(f"serving the report of job{'s' if len(job_ids) > 1 else ''} {', '.join(map(str, job_ids))} at "
-               f"{server.url} (figures at {server.url}report.json; Ctrl-C stops)", err=True)
+    which = f"job{'s' if len(job_ids) > 1 else ''} {', '.join(map(str, job_ids))}" if job_ids else \
+        "the jobs not finished yet (or else the newest)"
+    click.echo(f"serving the report of {which} at {server.url} (figures at {server.url}report.json; Ctrl-C stops)",
+               err=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:

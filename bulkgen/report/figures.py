@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 from sqlalchemy.orm import Session
 
+from bulkgen.errors import NotFoundError
 from bulkgen.store import jobs as job_ops
 from bulkgen.store import queue as q
 from bulkgen.store import report as reads
@@ -37,6 +38,15 @@ def build_report(store: Store, job_ids: list[int], num_examples: int = NUM_EXAMP
     with store.session_scope() as session:
         jobs = [job_report(session, job_id, num_examples) for job_id in job_ids]
     return {"generated_at": _iso(utcnow()), "jobs": jobs}
+
+
+def current_jobs(store: Store) -> list[int]:
+    """The jobs a report without job ids shows: those not finished yet, oldest first, or else the newest job."""
+    with store.session_scope() as session:
+        jobs = job_ops.list_jobs(session)
+    if not jobs:
+        raise NotFoundError("no jobs yet: `bulkgen submit FILE` creates one")
+    return sorted(job.id for job in jobs if job.status not in FINAL_JOB_STATES) or [jobs[0].id]
 
 
 def job_report(session: Session, job_id: int, num_examples: int = NUM_EXAMPLES) -> dict[str, Any]:

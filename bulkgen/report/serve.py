@@ -13,7 +13,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from bulkgen.errors import BulkgenError
-from bulkgen.report.figures import build_report
+from bulkgen.report.figures import build_report, current_jobs
 from bulkgen.report.page import render
 from bulkgen.store.db import Store
 
@@ -34,7 +34,8 @@ class ReportServer:
     def report(self) -> dict[str, Any]:
         with self._lock:
             if self._cached is None or time.monotonic() - self._cached[0] >= 1.0:
-                self._cached = (time.monotonic(), build_report(self.store, self.job_ids, self.num_examples))
+                job_ids = self.job_ids or current_jobs(self.store)  # none named: whatever runs now
+                self._cached = (time.monotonic(), build_report(self.store, job_ids, self.num_examples))
             return self._cached[1]
 
     def serve_forever(self) -> None:
