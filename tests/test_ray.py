@@ -34,10 +34,11 @@ ray = pytest.importorskip("ray")
 postgres_only = pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_address() -> str:
-    """A local Ray cluster of 4 logical CPUs (actors take 1 each), owned by this test session (shut down at
-    its end, leaving any other cluster on the machine alone); drivers started by the tests join it."""
+    """A local Ray cluster of 4 logical CPUs (actors take 1 each), owned by this module's tests (shut down after
+    them, leaving any other cluster on the machine alone: its idle processes would take a share of the two
+    cores from every later test); drivers started by the tests join it."""
     # a throwaway cluster on loopback: no token to hand to every driver the tests start
     os.environ["RAY_AUTH_MODE"] = "disabled"
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
