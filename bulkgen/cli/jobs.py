@@ -159,8 +159,8 @@ def _watch(store: Any, job_id: int, interval_s: float, as_json: bool) -> None:
     """Redraw (a terminal) or print a line (a log, --json: a JSON line) every interval until the job is final."""
     import time
 
-    from bulkgen.report.figures import FINAL_JOB_STATES
     from bulkgen.store import runs
+    from bulkgen.store.models import FINAL_JOB_STATES
 
     redraw = sys.stdout.isatty() and not as_json
     try:

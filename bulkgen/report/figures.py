@@ -24,20 +24,19 @@ from bulkgen.store import queue as q
 from bulkgen.store import report as reads
 from bulkgen.store import runs
 from bulkgen.store.db import Store
-from bulkgen.store.models import JobStatus, RequestState, utcnow
+from bulkgen.store.models import FINAL_JOB_STATES, RequestState, iso_utc, utcnow
 
 LENGTH_WARNING_SHARE = 0.1  # more than this share cut by max_new_tokens: the page says "give the budget room"
 NUM_EXAMPLES = 5
 NUM_HISTOGRAM_BINS = 30
 LOST_AFTER_S = 300.0  # a worker elsewhere silent this long is reported lost (one here: as soon as its process is gone)
 GAP_FLOOR_S = 5.0  # no work for longer than this (and three samples) is a gap
-FINAL_JOB_STATES = (JobStatus.COMPLETED.value, JobStatus.FAILED.value, JobStatus.CANCELLED.value)
 
 
 def build_report(store: Store, job_ids: list[int], num_examples: int = NUM_EXAMPLES) -> dict[str, Any]:
     with store.session_scope() as session:
         jobs = [job_report(session, job_id, num_examples) for job_id in job_ids]
-    return {"generated_at": _iso(utcnow()), "jobs": jobs}
+    return {"generated_at": iso_utc(utcnow()), "jobs": jobs}
 
 
 def current_jobs(store: Store) -> list[int]:
@@ -80,7 +79,7 @@ def _settings(job: Any) -> dict[str, Any]:
     if sampling.get("json_schema"):
         sampling["json_schema"] = "(set: see the JSON schema section)"
     return {"model": job.model, "model_path": job.model_path, "input": job.input_path,
-            "input_columns": job.input_columns, "n": spec.get("n", 1), "chat": spec.get("uses_chat", spec.get("chat")),
+            "input_columns": job.input_columns, "n": spec.get("n", 1), "chat": spec.get("chat"),
             "prompt_column": spec.get("prompt_column"), "messages_column": spec.get("messages_column"),
             "json_schema_column": spec.get("json_schema_column"), "sampling": sampling}
 
@@ -93,12 +92,13 @@ def _runs(session: Session, job_id: int) -> list[dict[str, Any]]:
             ended = "stopped"
         elif worker.status == "dead" or q.is_gone(worker.hostname, worker.pid) or \
                 (utcnow() - worker.heartbeat_at).total_seconds() > LOST_AFTER_S:
-            ended = f"lost: no heartbeat since {_iso(worker.heartbeat_at)} (killed, or its machine went away)"
+            ended = f"lost: no heartbeat since {iso_utc(worker.heartbeat_at)} (killed, or its machine went away)"
         else:
             ended = "running"
         out.append({"worker_id": worker.id, "hostname": worker.hostname, "pid": worker.pid,
-                    "started_at": _iso(worker.started_at), "last_seen": _iso(worker.heartbeat_at), "status": ended,
-                    "num_committed": num_committed, "num_output_tokens": num_tokens, "settings": worker.settings})
+                    "started_at": iso_utc(worker.started_at), "last_seen": iso_utc(worker.heartbeat_at),
+                    "status": ended, "num_committed": num_committed, "num_output_tokens": num_tokens,
+                    "settings": worker.settings})
     return out
 
 
@@ -156,7 +156,7 @@ def throughput(samples: list[Any], commits: list[Any]) -> dict[str, Any]:
                "seconds_run": _round(covered[w], 3) if source == "samples" else None} for w in sorted(tokens)]
     series.append({"worker_id": "all", "output_tok_per_s": _round(sum(rates.values())),
                    "requests_per_s": _round(sum(finished[w] / spans[w] for w in tokens), 3)})
-    return {"source": source, "bin_s": bin_s, "start": _iso(start), "end": _iso(end), "series": series,
+    return {"source": source, "bin_s": bin_s, "start": iso_utc(start), "end": iso_utc(end), "series": series,
             "gaps": gaps(events) if source == "samples" else []}
 
 
@@ -168,7 +168,7 @@ def gaps(events: list[tuple]) -> list[dict[str, Any]]:
     out, covered = [], spans[0][1]
     for begin, finish in spans[1:]:
         if (begin - covered).total_seconds() > max(3 * typical, GAP_FLOOR_S):
-            out.append({"from": _iso(covered), "to": _iso(begin),
+            out.append({"from": iso_utc(covered), "to": iso_utc(begin),
                         "seconds": round((begin - covered).total_seconds(), 1)})
         covered = max(covered, finish)
     return out
@@ -183,11 +183,12 @@ def engine_series(samples: list[Any], throughput: dict[str, Any]) -> dict[str, A
         return out
     start, bin_s = datetime.fromisoformat(throughput["start"].rstrip("Z")), throughput["bin_s"]
     num_bins = len(throughput["series"][-1]["output_tok_per_s"])
-    for worker in sorted({s.worker_id for s in samples}):
+    by_worker: dict[str, list[Any]] = defaultdict(list)
+    for s in samples:
+        by_worker[s.worker_id].append(s)
+    for worker, mine in sorted(by_worker.items()):
         steps, running, kv, preempted = (np.zeros(num_bins) for _ in range(4))
-        for s in samples:
-            if s.worker_id != worker:
-                continue
+        for s in mine:
             i = min(int(((s.started_at - start).total_seconds() + s.seconds / 2) // bin_s), num_bins - 1)
             steps[i] += s.num_steps
             running[i] += s.mean_running * s.num_steps
@@ -336,7 +337,3 @@ def examples(session: Session, job_id: int, num_examples: int) -> dict[str, list
 
 def _round(values: Any, digits: int = 2) -> list[float]:
     return [round(float(v), digits) for v in values]
-
-
-def _iso(moment: datetime | None) -> str | None:
-    return moment.isoformat(timespec="seconds") + "Z" if moment else None

@@ -16,6 +16,7 @@ from bulkgen.store.models import (
     Request,
     RequestState,
     Result,
+    iso_utc,
     pack_ids,
     utcnow,
 )
@@ -184,11 +185,7 @@ def _summary(job: Job, counts: dict[str, int], tokens: tuple[int, int]) -> dict[
         "output_tok_per_s": round(output_rate, 2) if output_rate is not None else None,
         "elapsed_s": round(elapsed, 1) if elapsed is not None else None,
         "eta_s": round(eta, 1) if eta is not None else None,
-        "created_at": _iso(job.created_at),
-        "started_at": _iso(job.started_at),
-        "finished_at": _iso(job.finished_at),
+        "created_at": iso_utc(job.created_at),
+        "started_at": iso_utc(job.started_at),
+        "finished_at": iso_utc(job.finished_at),
     }
-
-
-def _iso(moment: datetime | None) -> str | None:
-    return moment.isoformat(timespec="seconds") + "Z" if moment else None

@@ -54,11 +54,17 @@ class RequestState(enum.StrEnum):
 
 
 REQUEST_STATES = tuple(s.value for s in RequestState)
+FINAL_JOB_STATES = tuple(s.value for s in JobStatus)[list(JobStatus).index(JobStatus.RUNNING) + 1:]
 
 
 def utcnow() -> datetime:
     """Naive UTC, the same on SQLite (which drops time zones) and PostgreSQL."""
     return datetime.now(UTC).replace(tzinfo=None)
+
+
+def iso_utc(moment: datetime | None) -> str | None:
+    """A stored (naive UTC) moment as JSON shows it: 2026-12-02T15:20:31Z."""
+    return moment.isoformat(timespec="seconds") + "Z" if moment else None
 
 
 def pack_ids(token_ids: list[int] | tuple[int, ...]) -> bytes:

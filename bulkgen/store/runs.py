@@ -50,9 +50,9 @@ def recent(session: Session, job_id: int, window_s: float = 60.0) -> dict[str, A
 def job_workers(session: Session, job_id: int) -> list[tuple[Worker, int, int]]:
     """Workers that committed results to the job or recorded samples of it, oldest first: (worker, results
     committed, their output tokens)."""
-    committed = dict((w, (int(n), int(t or 0))) for w, n, t in session.execute(
+    committed = {w: (int(n), int(t or 0)) for w, n, t in session.execute(
         select(Result.worker_id, func.count(), func.sum(Result.num_output_tokens))
-        .where(Result.job_id == job_id).group_by(Result.worker_id)))
+        .where(Result.job_id == job_id).group_by(Result.worker_id))}
     sampled = set(session.scalars(select(RunSample.worker_id).where(RunSample.job_id == job_id).distinct()))
     ids = [w for w in {*committed, *sampled} if w]
     workers = list(session.scalars(select(Worker).where(Worker.id.in_(ids)).order_by(Worker.started_at))) \
