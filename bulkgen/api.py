@@ -30,6 +30,7 @@ from bulkgen.errors import ConfigError
 from bulkgen.io.export import RESULT_SCHEMA, export_job
 from bulkgen.io.rows import check_columns
 from bulkgen.jobspec import JobSpec, build_spec
+from bulkgen.outage import open_store_waiting
 from bulkgen.packing import admission_for
 from bulkgen.prompts import PromptRenderer
 from bulkgen.resolve import DEFAULT_MODEL, resolve_model
@@ -100,7 +101,8 @@ def run(job_ids: Sequence[int] | None = None, db: str | None = None, progress: b
     engine = EngineConfig.from_options({k: v for k, v in options.items() if k in engine_keys})
     worker = WorkerOptions(job_ids=tuple(job_ids or ()), progress=progress,
                            **{k: v for k, v in options.items() if k in worker_keys})
-    return Worker(open_store(db or Paths().default_db_url), engine, worker).run().to_dict()
+    store = open_store_waiting(db or Paths().default_db_url, worker.db_outage_s)
+    return Worker(store, engine, worker).run().to_dict()
 
 
 def generate(prompts: Sequence[Any], model: str | None = None, engine: dict[str, Any] | None = None,

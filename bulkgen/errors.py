@@ -13,6 +13,11 @@ class ConfigError(BulkgenError):
     exit_code = 2
 
 
+class UnreachableError(ConfigError):
+    """The database did not answer at first contact, for a reason that may pass (a server starting or restarting,
+    a refused or dropped connection). A worker waits for it (up to --db-outage-s); other commands stop."""
+
+
 class InputError(BulkgenError):
     """An input file cannot be used (missing, not Parquet, wrong columns). Nothing is written."""
 

@@ -16,7 +16,8 @@ import random
 import time
 from datetime import UTC, datetime
 
-from bulkgen.errors import StoreError
+from bulkgen.errors import StoreError, UnreachableError
+from bulkgen.store.db import Store, open_store
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,30 @@ class Outage:
     def wait(self) -> None:
         """Sleep until the next try (a worker with nothing else to do)."""
         time.sleep(max(0.0, min(self.next_try - time.monotonic(), self.max_delay_s)))
+
+
+def open_store_waiting(url: str, limit_s: float) -> Store:
+    """A worker's first contact with its database: a database that does not answer yet, for a reason that may pass
+    (a worker restarted while its server restarts), is waited for as an outage is, up to limit_s (--db-outage-s),
+    said in one line that names the URL (a typo in it looks the same, and Ctrl-C ends the wait)."""
+    outage = Outage(limit_s, say=False)
+    while True:
+        try:
+            store = open_store(url)
+        except UnreachableError as exc:
+            first = not outage.down
+            try:
+                outage.failed(StoreError(str(exc), transient=True))
+            except StoreError:
+                raise exc from None  # past the limit (or --db-outage-s 0): the first contact's own error
+            if first:
+                log.warning("bulkgen: %s; waiting for it up to %.0fs (--db-outage-s)", str(exc).split("; ")[0],
+                            limit_s)
+            outage.wait()
+            continue
+        if outage.since is not None:
+            log.warning("bulkgen: database reached after %.1fs", time.monotonic() - outage.since)
+        return store
 
 
 def _cause(exc: StoreError) -> str:

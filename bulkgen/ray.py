@@ -25,11 +25,11 @@ from bulkgen.api import OUTPUT_COLUMNS, Generate  # the engine as a Ray Data sta
 from bulkgen.config import EngineConfig
 from bulkgen.errors import BulkgenError, ConfigError, StoreError
 from bulkgen.lease import on_stop_signals
-from bulkgen.outage import Outage
+from bulkgen.outage import Outage, open_store_waiting
 from bulkgen.progress import Progress
 from bulkgen.store import jobs as job_ops
 from bulkgen.store import queue as q
-from bulkgen.store.db import Store, open_store
+from bulkgen.store.db import Store
 from bulkgen.worker import Worker, WorkerOptions
 
 __all__ = ["OUTPUT_COLUMNS", "Generate", "RayOptions", "generate", "run_on_ray"]
@@ -128,7 +128,7 @@ class QueueWorker:
 
     def __init__(self, db_url: str, engine_config: EngineConfig, options: WorkerOptions) -> None:
         logging.basicConfig(level=logging.WARNING, format="%(message)s")
-        self.store = open_store(db_url)
+        self.store = open_store_waiting(db_url, options.db_outage_s)
         self.engine_config, self.options = engine_config, options
         self.worker = None
         self.stopping = False

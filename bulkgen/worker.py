@@ -33,6 +33,7 @@ from bulkgen.config import EngineConfig, SamplingParams, request_sampling
 from bulkgen.engine.protocol import EngineProtocol
 from bulkgen.errors import ConfigError, PromptTooLongError, StoreError
 from bulkgen.lease import Heartbeat, on_stop_signals
+from bulkgen.liveness import Liveness, StalledError
 from bulkgen.outage import Outage
 from bulkgen.packing import admission_for, check_packing
 from bulkgen.progress import Progress
@@ -66,11 +67,12 @@ class WorkerOptions:
     db_outage_s: float = 900.0  # how long the database may be away before the run stops (transient errors only)
     max_kept_rows: int = 4096  # rows kept while the database is away; past them the engine pauses
     sample_interval_s: float = SAMPLE_INTERVAL_S  # how often the run's samples are closed (recorder.py)
+    stall_s: float = 600.0  # holding work without progress this long: stalled, the run stops (liveness.py)
 
     def __post_init__(self) -> None:
         if self.lease_s <= 0 or self.commit_rows < 1 or self.commit_interval_s <= 0 or self.max_attempts < 1 \
-                or self.sample_interval_s <= 0:
-            raise ConfigError("lease, commit and sample intervals and commit rows must be positive, "
+                or self.sample_interval_s <= 0 or self.stall_s <= 0:
+            raise ConfigError("lease, commit, sample and stall intervals and commit rows must be positive, "
                               "max attempts >= 1")
         if self.db_outage_s < 0:
             raise ConfigError(f"--db-outage-s must be >= 0 (0: stop at the first database error), got "
@@ -128,31 +130,44 @@ class Worker:
         self.num_generated = 0  # output tokens generated in this run, committed or not (a Ray driver sums them)
         self.outage = Outage(self.options.db_outage_s)
         self.recorder = Recorder(self.worker_id, self.options.sample_interval_s)
+        self.liveness = Liveness(self.options.stall_s, self.options.lease_s,
+                                 holding=lambda: (self.writer.num_held, self.writer.num_rows),
+                                 waiting_out=lambda: self.outage.down)
+        self._said: set[tuple[str, tuple[int, ...]]] = set()  # the start lines said (once a model and jobs)
+        self._waiting_said: dict[str, int] | None = None  # what the last "waiting" line said
+        self._outage_ended = False  # the leases are reconciled at once after an outage
 
     # ------------------------------------------------------------------ the run
 
     def run(self) -> RunSummary:
         start = time.monotonic()
-        self._db(lambda: self._in_session(q.register_worker, self.worker_id), wait=True)
-        heartbeat = Heartbeat(self.store, self.worker_id, self.options.lease_s)
+        self._db(lambda: self._in_session(q.register_worker, self.worker_id), "register", wait=True)
+        heartbeat = Heartbeat(self.store, self.worker_id, self.options.lease_s, self.writer.held_ids, self.liveness)
         heartbeat.start()
+        self.liveness.start()
         restore = on_stop_signals(self._on_signal, lambda: self._stop_requested is not None)
         error: BaseException | None = None
         try:
             while self._stop_requested is None:
-                jobs = self._db(self._runnable_jobs, wait=True)
+                self.liveness.check()
+                jobs = self._db(self._runnable_jobs, "find jobs", wait=True)
                 if not jobs:
                     if not self.options.wait:
                         break
                     time.sleep(self.options.poll_s)
                     continue
                 model_path = jobs[0].model_path
-                if not self._serve([job for job in jobs if job.model_path == model_path]):
-                    time.sleep(self.options.poll_s)  # others hold what is left: look again, not at once
+                jobs = [job for job in jobs if job.model_path == model_path]
+                if self._serve(jobs):
+                    self._waiting_said = None
+                else:  # others hold what is left: say so once, look again after poll_s
+                    self._say_waiting([job.id for job in jobs])
+                    time.sleep(self.options.poll_s)
         except BaseException as exc:
             error = exc
             raise
         finally:
+            self.liveness.stop()
             heartbeat.stop()
             restore()
             self._shutdown(error)
@@ -194,7 +209,7 @@ class Worker:
         engine = self._engine(jobs[0].model_path)
         self._say_start(engine, jobs)
         settings = self._settings(engine)
-        self._db(lambda: self._in_session(runs.set_worker_settings, self.worker_id, settings), wait=True)
+        self._db(lambda: self._in_session(runs.set_worker_settings, self.worker_id, settings), "settings", wait=True)
         preemptions_before = engine.stats.num_preemptions
         params = {job.id: SamplingParams.from_dict(job.spec["sampling"]) for job in jobs}
         job_ids = [job.id for job in jobs]
@@ -203,13 +218,14 @@ class Worker:
         self.recorder.serving(job_ids, engine.stats)
         claimed = 0
         while True:
+            self.liveness.check()
             now = time.monotonic()
             if self._stop_requested is not None:
                 self._drain(engine)
                 if not engine.has_unfinished():
                     break
             elif now >= pace.next_claim and not self.outage.down:  # nothing new while the database is away
-                claimed += self._db(lambda at=now: self._claim_if_due(engine, job_ids, params, pace, at)) or 0
+                claimed += self._db(lambda at=now: self._claim_if_due(engine, job_ids, params, pace, at), "claim") or 0
             if engine.has_unfinished() and not self._kept_full():
                 self._step(engine)
             elif self.outage.down:
@@ -221,34 +237,39 @@ class Worker:
             if self.writer.is_due() or (self.outage.down and self.outage.due()):
                 self._write(job_ids)  # while the database is away, also its probe
             if not self.outage.down:
-                self._drop_lost(engine, pace)
+                self._reconcile(engine, pace, job_ids)
             self._show_outage()
         self.recorder.close()
         self._write(job_ids)
         while self.writer.has_rows:  # what is left, once the database takes it (or past --db-outage-s, raised)
+            self.liveness.check()
             self.outage.wait()
             self._write(job_ids)
         self.summary.num_preemptions += engine.stats.num_preemptions - preemptions_before
         return claimed
 
-    def _db(self, call: Callable[[], Any], wait: bool = False) -> Any:
+    def _db(self, call: Callable[[], Any], what: str, wait: bool = False) -> Any:
         """A store call through the outage: a transient failure starts or extends it (past --db-outage-s, or not
-        transient, it is raised); with wait, tried again until it goes through, else None. A success ends it."""
+        transient, it is raised); with wait, tried again until it goes through, else None. A success ends it.
+        `what`: the call's name, for a stall's line (liveness.py)."""
         while True:
             if not self.outage.due():
                 if not wait:
                     return None
                 self.outage.wait()
             try:
-                if self.outage.down:
-                    self.store.ping()  # back only where the database answers (a call may not reach it: no rows)
-                result = call()
+                with self.liveness.doing(f"a database call ({what})"):
+                    if self.outage.down:
+                        self.store.ping()  # back only where the database answers (a call may not reach it: no rows)
+                    result = call()
             except StoreError as exc:
                 self.outage.failed(exc)
                 self._show_outage()
                 if not wait:
                     return None
                 continue
+            if self.outage.down:
+                self._outage_ended = True  # what the lost answers of the outage did is reconciled next
             self.outage.ok()
             return result
 
@@ -281,7 +302,11 @@ class Worker:
 
     def _step(self, engine: EngineProtocol) -> None:
         before = engine.stats.num_output_tokens
-        outputs = engine.step()
+        computed = engine.stats.num_prompt_tokens_computed
+        with self.liveness.doing("an engine step"):
+            outputs = engine.step()
+        if outputs or engine.stats.num_output_tokens != before or engine.stats.num_prompt_tokens_computed != computed:
+            self.liveness.progressed()
         self.writer.collect(outputs)
         self.recorder.step(engine.stats)
         for out in outputs:
@@ -292,12 +317,23 @@ class Worker:
         if self._progress is not None:
             self._progress.generated(generated)
 
-    def _drop_lost(self, engine: EngineProtocol, pace: _Pace) -> None:
-        """Every quarter lease: abort what this worker no longer holds (cancelled, or its lease expired)."""
-        if time.monotonic() >= pace.next_check:
-            pace.next_check = time.monotonic() + self.options.lease_s / 4
-            for request_id in self._db(self.writer.lost) or []:
-                engine.abort(request_id)
+    def _reconcile(self, engine: EngineProtocol, pace: _Pace, job_ids: list[int]) -> None:
+        """Every quarter lease, and at once after an outage: abort what this worker no longer holds (cancelled, or
+        its lease expired), and give back what is leased under its id but not held (a claim whose answer the
+        outage lost: nobody else could run it while this worker lives). What is finished is committed first (a
+        commit that landed unanswered then counts its rows, rather than taking them for lost)."""
+        if time.monotonic() < pace.next_check and not self._outage_ended:
+            return
+        self._outage_ended = False
+        pace.next_check = time.monotonic() + self.options.lease_s / 4
+        if self.writer.has_rows:
+            self._write(job_ids)
+        lost, num_unknown = self._db(self.writer.reconcile, "reconcile leases") or ([], 0)
+        for request_id in lost:
+            engine.abort(request_id)
+        if num_unknown:
+            log.warning("bulkgen: %d request(s) leased under this worker's id that it did not know of (a claim whose "
+                        "answer never came back) given back to the queue", num_unknown)
 
     def _claim_target(self, engine: EngineProtocol, job_ids: list[int]) -> int:
         """How many requests to hold: what the engine can run at once (its KV cache over the pending
@@ -315,6 +351,8 @@ class Worker:
         with self.store.session_scope(write=True) as session:
             claimed = q.claim(session, self.worker_id, job_ids, limit, self.options.lease_s, self.options.packing)
         self.writer.hold(claimed)
+        if claimed:
+            self.liveness.progressed()
         for request in claimed:
             try:
                 sampling = request_sampling(params[request.job_id], (request.params or {}).get("sampling"),
@@ -328,12 +366,14 @@ class Worker:
     def _write(self, job_ids: list[int]) -> None:
         """Commit the rows held (through the outage: a failed commit keeps them for the next try), and the run's
         closed samples."""
-        flushed = self._db(lambda: self.writer.commit(job_ids))
+        flushed = self._db(lambda: self.writer.commit(job_ids), "commit")
         if flushed is not None:
             self._count(flushed)
+            if flushed.num_completed + flushed.num_failed:
+                self.liveness.progressed()
         if self.recorder.pending and not self.outage.down:
             rows = list(self.recorder.pending)
-            if self._db(lambda: self._in_session(runs.insert_samples, rows)) is not None:
+            if self._db(lambda: self._in_session(runs.insert_samples, rows), "samples") is not None:
                 self.recorder.written(len(rows))
 
     def _count(self, flushed: Flushed) -> None:
@@ -352,7 +392,9 @@ class Worker:
         if time.monotonic() - self._stop_time > self.options.drain_timeout_s:
             aborted += [engine.abort(request_id) for request_id in list(self.writer.held)]
         ids = [out.request_id for out in aborted if out is not None]
-        self.summary.num_released += self._db(lambda: self.writer.give_back(ids)) or 0
+        if ids and (released := self._db(lambda: self.writer.give_back(ids), "give back")) is not None:
+            self.summary.num_released += released
+            self.liveness.progressed()
 
     def _shutdown(self, error: BaseException | None) -> None:
         """Commit what is finished; give back the rest of our leases (after an engine error, expire them:
@@ -362,13 +404,13 @@ class Worker:
         try:
             if not store_failed and self.writer.has_rows:
                 self._write(list(self.summary.job_ids))
-            if error is not None and not store_failed:
+            if error is not None and not store_failed and not isinstance(error, StalledError):
                 with self.store.session_scope(write=True) as session:
                     q.reclaim_expired(session, self.options.max_attempts, [self.worker_id])
             else:
                 self.summary.num_released += self.writer.give_back(list(self.writer.held))
             self._db(lambda: self._in_session(q.stop_worker, self.worker_id, self.summary.num_completed,
-                                              self.summary.num_output_tokens), wait=error is None)
+                                              self.summary.num_output_tokens), "stop", wait=error is None)
         except Exception as exc:  # never hide the original error behind a shutdown one
             if error is None:
                 raise
@@ -390,16 +432,33 @@ class Worker:
                 "kv_cache_tokens": engine.max_num_tokens, "max_num_seqs": config.max_num_seqs,
                 "max_num_batched_tokens": config.max_num_batched_tokens, "block_size": config.block_size,
                 "attention_backend": config.attention_backend, "kernels": config.kernels,
-                "packing": self.options.packing, "kv_admission": self.options.kv_admission}
+                "packing": self.options.packing, "kv_admission": self.options.kv_admission,
+                "stall_s": self.options.stall_s, "lease_s": self.options.lease_s}
 
     def _say_start(self, engine: EngineProtocol, jobs: list[Job]) -> None:
-        """The run's first line, as soon as the engine is up: what runs, how, and how much is queued."""
-        if self._progress is None:
+        """The run's first line, as soon as the engine is up: what runs, how, and how much is queued (once for a
+        model and its jobs, however often the worker comes back to them)."""
+        key = (engine.describe(), tuple(job.id for job in jobs))
+        if self._progress is None or key in self._said:
             return
-        totals = self._db(lambda: self._in_session(q.queue_totals, [job.id for job in jobs]), wait=True)
+        self._said.add(key)
+        totals = self._db(lambda: self._in_session(q.queue_totals, [job.id for job in jobs]), "totals", wait=True)
         self._progress.begin(f"bulkgen run: {engine.describe()} · jobs {', '.join(str(job.id) for job in jobs)}: "
                              f"{totals.num_pending:,} requests queued, {totals.num_done:,} of "
                              f"{totals.num_requests:,} done")
+
+
+    def _say_waiting(self, job_ids: list[int]) -> None:
+        """One line when the worker has nothing to claim while other workers still run these jobs' requests (and
+        again only when who holds them changes): what it waits for, and why that wait is bounded."""
+        held = self._db(lambda: self._in_session(q.held_elsewhere, self.worker_id, job_ids), "who holds what")
+        if not held or set(held) == set(self._waiting_said or {}):
+            return
+        self._waiting_said = held
+        if self._progress is not None:
+            self._progress.say(f"bulkgen run: waiting: {sum(held.values())} request(s) left run on "
+                               f"{', '.join(f'{w} ({n})' for w, n in sorted(held.items()))}; they come back to the "
+                               "queue if those workers stop or stall")
 
 
 @dataclass

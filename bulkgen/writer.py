@@ -100,18 +100,24 @@ class ResultWriter:
         return Flushed(written, failed, sum(r["num_prompt_tokens"] for r in results),
                        sum(r["num_output_tokens"] for r in results), budget)
 
-    def lost(self) -> list[int]:
-        """Held requests the worker no longer leases (cancelled, or its lease expired): forgotten here,
-        with their rows; the caller stops working on them."""
-        with self.store.session_scope() as session:
-            lost = q.lost_requests(session, self.worker_id, list(self.held))
+    def held_ids(self) -> list[int]:
+        """The ids held now; safe from another thread (the heartbeat's): dict.copy runs without a thread switch."""
+        return list(self.held.copy())
+
+    def reconcile(self) -> tuple[list[int], int]:
+        """The store's leases against what is held: held requests the worker no longer leases (cancelled, or
+        reclaimed after a stall) are forgotten here with their rows, and returned (the caller stops working on
+        them); requests leased under its id that it does not hold (a claim whose answer was lost) are given back.
+        Returns (the lost, how many were given back)."""
+        with self.store.session_scope(write=True) as session:
+            lost, num_unknown = q.reconcile_leases(session, self.worker_id, list(self.held))
         if lost:
             gone = set(lost)
             self._results = [r for r in self._results if r["request_id"] not in gone]
             self._failures = [f for f in self._failures if f[0] not in gone]
             for request_id in lost:
                 self.held.pop(request_id, None)
-        return lost
+        return lost, num_unknown
 
     def give_back(self, request_ids: list[int]) -> int:
         """Return held requests to the queue (not started, or stopped by a drain). Returns how many."""

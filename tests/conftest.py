@@ -159,8 +159,11 @@ class OwnPostgres:
             shutil.chown(root, "postgres")
         self._run("initdb", "-D", str(self.data), "--auth=trust", "-U", "postgres", "--no-sync")
         self.start()
-        self._run("createdb", "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres", "bulkgen")
+        self.createdb("bulkgen")
         self.url = f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/bulkgen"
+
+    def createdb(self, name: str) -> None:
+        self._run("createdb", "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres", name)
 
     def _run(self, tool: str, *args: str) -> None:
         done = subprocess.run([*self.as_user, str(PG_BIN / tool), *args], capture_output=True, text=True,

@@ -96,13 +96,13 @@ def test_two_workers_ride_out_a_restart_and_a_stop(tmp_path: Path, tiny_model_di
 
 
 class DroppingProxy(threading.Thread):
-    """A TCP proxy to the server that, `drops` times, forwards a transaction's COMMIT of result rows and then
-    closes the connection instead of passing the server's answer back: the commit landed, the worker never
-    heard."""
+    """A TCP proxy to the server that, `drops` times, forwards the COMMIT of a transaction that sent `marker` (by
+    default: one that wrote result rows) and then closes the connection instead of passing the server's answer
+    back: the transaction landed, the worker never heard."""
 
-    def __init__(self, port: int, drops: int) -> None:
+    def __init__(self, port: int, drops: int, marker: bytes = b"INSERT INTO results") -> None:
         super().__init__(daemon=True)
-        self.server_port, self.drops = port, drops
+        self.server_port, self.drops, self.marker = port, drops, marker
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         self.dropped = 0
@@ -113,7 +113,11 @@ class DroppingProxy(threading.Thread):
                 client, _ = self.listener.accept()
             except OSError:
                 return
-            upstream = socket.create_connection(("127.0.0.1", self.server_port))
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.server_port))
+            except OSError:  # the server is down: so is this connection (the client sees it closed)
+                client.close()
+                continue
             state = {"results": False, "armed": False}
             threading.Thread(target=self._pipe, args=(client, upstream, state, True), daemon=True).start()
             threading.Thread(target=self._pipe, args=(upstream, client, state, False), daemon=True).start()
@@ -122,7 +126,7 @@ class DroppingProxy(threading.Thread):
         try:
             while data := source.recv(65536):
                 if to_server:
-                    state["results"] |= b"INSERT INTO results" in data
+                    state["results"] |= self.marker in data
                     if b"COMMIT" in data and state["results"] and self.dropped < self.drops:
                         state["armed"] = True
                     elif b"COMMIT" in data:
@@ -153,6 +157,26 @@ def test_a_commit_whose_acknowledgement_is_lost_is_neither_lost_nor_doubled(tmp_
     assert proxy.dropped == 3, "three commits landed unacknowledged"
     assert summary["completed"] == NUM_ROWS, summary  # each counted once: the retry found its rows there
     assert_exactly_once(own_postgres.url, job_id, tmp_path, reference)
+
+
+def test_a_claim_whose_answer_is_lost_is_given_back_not_held_forever(tmp_path: Path, tiny_model_dir: Path,
+                                                                     own_postgres: OwnPostgres) -> None:
+    """The stall of issue 35: a claim commits, its answer is lost, and the requests stay leased under the worker's
+    id without the worker knowing. Its heartbeat renewed every lease under its id, so they never expired, and the
+    worker waited for them forever (as did every other). Now they are given back when the outage ends."""
+    reference = uninterrupted_run(tmp_path, tiny_model_dir, f"sqlite:///{tmp_path / 'reference.db'}")
+    job_id = make_job(tmp_path, tiny_model_dir, own_postgres.url)
+    proxy = DroppingProxy(own_postgres.port, drops=2, marker=b"SKIP LOCKED")
+    proxy.start()
+    db = own_postgres.url.replace(f":{own_postgres.port}/", f":{proxy.port}/")
+    summary, stderr = _finish(start_worker(db, "--max-num-seqs", "8", "--json", "--stall-s", "60"))
+    proxy.listener.close()
+    assert proxy.dropped == 2, "two claims landed unanswered"
+    assert stderr.count("that it did not know of") == 2, stderr
+    assert summary["completed"] == NUM_ROWS, summary
+    assert_exactly_once(own_postgres.url, job_id, tmp_path, reference)
+    with open_store(own_postgres.url).session_scope() as session:
+        assert session.scalar(select(func.max(Request.attempts))) == 1, "a claim never answered spends no attempt"
 
 
 def test_a_dropped_table_still_stops_the_worker_at_once(tmp_path: Path, tiny_model_dir: Path,

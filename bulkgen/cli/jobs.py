@@ -133,13 +133,29 @@ def status(job_id: int, watch: bool, interval_s: float, as_json: bool, db_url: s
         _watch(store, job_id, interval_s, as_json)
         return
     with store.session_scope() as session:
-        summary = job_ops.describe_jobs(session, [job_ops.get_job(session, job_id)])[0]
+        summary = _summary(session, job_id)
         errors = job_ops.first_errors(session, job_id) if not as_json else []
     if as_json:
         emit_json(summary)
         return
     for line in _status_lines(summary, errors):
         click.echo(line)
+
+
+def _summary(session: Any, job_id: int) -> dict[str, Any]:
+    """`status --json`: the job's summary and the workers holding its requests now (working, stalled or silent)."""
+    from bulkgen.store import runs  # here: the other commands of this module need none of it
+
+    summary = job_ops.describe_jobs(session, [job_ops.get_job(session, job_id)])[0]
+    summary["workers"] = runs.lease_holders(session, job_id)
+    return summary
+
+
+def _workers_line(workers: list[dict[str, Any]]) -> str:
+    said = {"working": "", "stalled": ", stalled: no progress since {progress_at} (its log says what it waits on)",
+            "silent": ", silent since {heartbeat_at}: its requests return to the queue when their leases expire"}
+    return f"workers holding requests: {len(workers)}" + "".join(
+        f"\n  {w['worker_id']}: {w['num_requests']} request(s)" + said[w["state"]].format(**w) for w in workers)
 
 
 def _status_lines(summary: dict[str, Any], errors: list[tuple[int, int, str]]) -> list[str]:
@@ -151,6 +167,8 @@ def _status_lines(summary: dict[str, Any], errors: list[tuple[int, int, str]]) -
              f"requests: {summary['total']} total · {c['completed']} completed · {c['failed']} failed · "
              f"{c['pending']} pending · {c['running']} running · {c['cancelled']} cancelled",
              f"tokens: {summary['num_prompt_tokens']:,} prompt · {summary['num_output_tokens']:,} output{rate}{eta}"]
+    if summary.get("workers"):
+        lines.append(_workers_line(summary["workers"]))
     return lines + [f"  failed row {row}" + (f" sample {sample}" if sample else "") + f": {error}"
                     for row, sample, error in errors]
 
@@ -166,7 +184,7 @@ def _watch(store: Any, job_id: int, interval_s: float, as_json: bool) -> None:
     try:
         while True:
             with store.session_scope() as session:
-                summary = job_ops.describe_jobs(session, [job_ops.get_job(session, job_id)])[0]
+                summary = _summary(session, job_id)
                 live = runs.recent(session, job_id)
                 errors = job_ops.first_errors(session, job_id, 3)
             c = summary["counts"]
@@ -195,10 +213,8 @@ def _watch_lines(summary: dict[str, Any], live: dict[str, Any], errors: list[tup
     rate = (f"{live['output_tok_per_s']:,.1f} output tok/s and {live['requests_per_s']:.2f} requests/s over the "
             f"last minute" if live["output_tok_per_s"] is not None else "no work in the last minute")
     eta = f" · ETA {format_duration(summary['eta_s'])}" if summary["eta_s"] is not None else ""
-    workers = f"{len(live['workers'])} worker(s) holding requests" + \
-        (f": {', '.join(live['workers'])}" if live["workers"] else "")
     lines = _status_lines(summary, [])
-    lines[1:1] = [f"[{bar}] {100 * done / total:.0f}% · {rate}{eta}", workers]
+    lines[1:1] = [f"[{bar}] {100 * done / total:.0f}% · {rate}{eta}"]
     if c["failed"]:
         lines += [f"failed so far: {c['failed']} (`bulkgen report {summary['id']}` groups them; "
                   f"`bulkgen retry {summary['id']}` retries)"]
@@ -213,7 +229,8 @@ def _watch_line(summary: dict[str, Any], live: dict[str, Any]) -> str:
     eta = f" · ETA {format_duration(summary['eta_s'])}" if summary["eta_s"] is not None else ""
     return (f"job {summary['id']}: {summary['status']} · {c['completed']}/{summary['total']} completed · "
             f"{c['failed']} failed · {c['pending']} pending · {c['running']} running{rate}{eta} · "
-            f"{len(live['workers'])} worker(s)")
+            f"{len(live['workers'])} worker(s)" +
+            "".join(f" · {w['worker_id']} {w['state']}" for w in summary.get("workers", []) if w["state"] != "working"))
 
 
 @click.command(cls=JobCommand, context_settings=CONTEXT)

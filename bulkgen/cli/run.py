@@ -19,10 +19,11 @@ from bulkgen.cli.options import (
     json_option,
 )
 from bulkgen.config import EngineConfig
+from bulkgen.outage import open_store_waiting
 from bulkgen.ray import RayOptions, require_ray, run_on_ray
 from bulkgen.store import jobs as job_ops
 from bulkgen.store import queue as q
-from bulkgen.store.db import Store, open_store
+from bulkgen.store.db import Store
 from bulkgen.store.packings import DEFAULT_PACKING, PACKINGS
 from bulkgen.worker import Worker, WorkerOptions
 
@@ -41,6 +42,10 @@ from bulkgen.worker import Worker, WorkerOptions
 @click.option("--db-outage-s", type=float, default=900.0, show_default=True,
               help="How long the database may be unreachable (restarting, failing over, a dropped connection) "
                    "while the worker keeps generating and holds its results; past it the run stops (0: at once).")
+@click.option("--stall-s", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True,
+              help="A worker holding requests that makes no progress (no step, claim or commit) for this long "
+                   "stops (exit 1) and its requests return to the queue; at a quarter of it, one line says what "
+                   "it waits on.")
 @click.option("--sample-every", type=click.FloatRange(min=0.1), default=10.0, show_default=True,
               help="Seconds between the run's samples (throughput, running sequences, KV use) kept for "
                    "`bulkgen report` and `status --watch`.")
@@ -68,7 +73,8 @@ from bulkgen.worker import Worker, WorkerOptions
 @json_option
 @db_option
 def run(job_ids: tuple[int, ...], as_json: bool, db_url: str, lease_seconds: float, commit_every: int,
-        commit_interval: float, max_attempts: int, drain_timeout: float, db_outage_s: float, sample_every: float,
+        commit_interval: float, max_attempts: int, drain_timeout: float, db_outage_s: float, stall_s: float,
+        sample_every: float,
         packing: str,
         kv_admission: bool, wait: bool, log_every: float, progress: bool, verbose: bool, use_ray: bool,
         workers: int | None, ray_address: str | None, gpus_per_worker: float | None, cpus_per_worker: float,
@@ -94,7 +100,7 @@ def run(job_ids: tuple[int, ...], as_json: bool, db_url: str, lease_seconds: flo
                             commit_interval_s=commit_interval, max_attempts=max_attempts,
                             drain_timeout_s=drain_timeout, packing=packing, kv_admission=kv_admission, wait=wait,
                             progress=progress and not as_json, log_every_s=log_every, db_outage_s=db_outage_s,
-                            sample_interval_s=sample_every)
+                            sample_interval_s=sample_every, stall_s=stall_s)
     config = engine_config(engine)  # a bad flag is refused before the database is touched
     ray_flags = {"--workers": workers, "--ray-address": ray_address, "--gpus-per-worker": gpus_per_worker}
     if not use_ray and any(value is not None for value in ray_flags.values()):
@@ -102,7 +108,7 @@ def run(job_ids: tuple[int, ...], as_json: bool, db_url: str, lease_seconds: flo
     if use_ray:
         ray_options = RayOptions(workers, ray_address, gpus_per_worker, cpus_per_worker, max_restarts)
         require_ray()
-    store = open_store(db_url)
+    store = open_store_waiting(db_url, options.db_outage_s)
     if job_ids:
         with store.session_scope() as session:
             for job_id in job_ids:

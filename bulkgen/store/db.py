@@ -11,11 +11,20 @@ from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from bulkgen.errors import BulkgenError, ConfigError, StoreError
+from bulkgen.errors import BulkgenError, ConfigError, StoreError, UnreachableError
 from bulkgen.store import migrate
 
+# Every wait on a database has a bound (a wait that reaches it is a transient error: an outage, waited out up to
+# --db-outage-s, never a hang). SQLite: a write lock held by another process. PostgreSQL: the connect, a lock, a
+# statement, a transaction another client left open, and a connection whose server went away without a word
+# (TCP keepalives while idle, a user timeout while an answer is awaited).
 SQLITE_BUSY_TIMEOUT_MS = 60_000
 PG_CONNECT_TIMEOUT_S = 5  # an unreachable server is said in seconds, not after TCP's minutes
+PG_LOCK_TIMEOUT_S = 30  # the queue's own transactions hold row locks for milliseconds
+PG_STATEMENT_TIMEOUT_S = 600  # a cancel or retry of a job of millions of rows is one UPDATE; migrations: none
+PG_IDLE_IN_TRANSACTION_S = 300  # a client stopped inside a transaction (SIGSTOP, a debugger) frees its locks
+PG_KEEPALIVE = {"keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5, "keepalives_count": 3}
+PG_TCP_USER_TIMEOUT_MS = 30_000  # data unacknowledged this long: the connection is dead
 
 
 class Store:
@@ -93,8 +102,9 @@ def opening(engine: Engine) -> Iterator[None]:
                 if engine.dialect.name == "sqlite" else
                 "check the host, port, user and database name of --db (or BULKGEN_DB); the database must exist "
                 "(createdb NAME), its schema is made on first use")
-        raise ConfigError(f"cannot open the database {engine.url.render_as_string(hide_password=True)}: "
-                          f"{_reason(exc)}; {hint}") from exc
+        error = UnreachableError if isinstance(exc, SQLAlchemyError) and is_transient(exc) else ConfigError
+        raise error(f"cannot open the database {engine.url.render_as_string(hide_password=True)}: "
+                    f"{_reason(exc)}; {hint}") from exc
 
 
 def create_db_engine(url: str) -> Engine:
@@ -105,12 +115,28 @@ def create_db_engine(url: str) -> Engine:
                           "or postgresql+psycopg://user:pass@host/db") from exc
     if parsed.get_backend_name() == "sqlite":
         return _sqlite_engine(parsed)
-    connect_args = {"connect_timeout": PG_CONNECT_TIMEOUT_S} if parsed.get_backend_name() == "postgresql" else {}
+    is_postgres = parsed.get_backend_name() == "postgresql"
+    connect_args = {"connect_timeout": PG_CONNECT_TIMEOUT_S, **PG_KEEPALIVE,
+                    "tcp_user_timeout": PG_TCP_USER_TIMEOUT_MS} if is_postgres else {}
     try:
-        return create_engine(parsed, pool_pre_ping=True, connect_args=connect_args)
+        engine = create_engine(parsed, pool_pre_ping=True, connect_args=connect_args)
     except Exception as exc:  # a missing driver surfaces here as ImportError / NoSuchModuleError
         raise ConfigError(f"cannot open {parsed.render_as_string(hide_password=True)}: {exc}; "
                           "for PostgreSQL install bulkgen[postgres]") from exc
+    if is_postgres:
+        event.listen(engine, "connect", _bound_postgres_session)
+    return engine
+
+
+def _bound_postgres_session(dbapi_conn, _record) -> None:
+    """Each new PostgreSQL connection's own bounds on waiting (set once; the pool keeps them)."""
+    autocommit = dbapi_conn.autocommit
+    dbapi_conn.autocommit = True
+    with dbapi_conn.cursor() as cursor:
+        cursor.execute(f"SET lock_timeout = '{PG_LOCK_TIMEOUT_S}s'")
+        cursor.execute(f"SET statement_timeout = '{PG_STATEMENT_TIMEOUT_S}s'")
+        cursor.execute(f"SET idle_in_transaction_session_timeout = '{PG_IDLE_IN_TRANSACTION_S}s'")
+    dbapi_conn.autocommit = autocommit
 
 
 def _sqlite_engine(url) -> Engine:
@@ -144,9 +170,10 @@ def _sqlite_engine(url) -> Engine:
 
 
 # PostgreSQL's SQLSTATEs a worker waits out: the connection classes, the server shutting down or starting up,
-# too many connections, a failover's read-only standby, and a serialization failure or deadlock (a retry succeeds)
+# too many connections, a failover's read-only standby, a serialization failure or deadlock (a retry succeeds), and
+# a bound of ours reached: a lock (55P03), a statement (57014), a transaction left idle (25P03)
 TRANSIENT_SQLSTATE_CLASSES = ("08",)
-TRANSIENT_SQLSTATES = {"57P01", "57P02", "57P03", "53300", "25006", "40001", "40P01", "55P03"}
+TRANSIENT_SQLSTATES = {"57P01", "57P02", "57P03", "53300", "25006", "40001", "40P01", "55P03", "57014", "25P03"}
 # what stops a worker at once, whatever else the message says: full disk, out of memory, files, I/O, credentials,
 # a missing database, table or column
 FATAL_SQLSTATE_CLASSES = ("53100", "53200", "58", "28", "3D", "42", "XX")

@@ -68,6 +68,8 @@ def upgrade(engine: Engine, revision: str = "head") -> None:
     # SQLite: BEGIN IMMEDIATE takes the write lock up front (see db.py); the DDL is transactional.
     with engine.execution_options(sqlite_begin="IMMEDIATE").begin() as conn:
         if conn.dialect.name == "postgresql":
+            # a migration may rewrite a large table (no statement bound), and may wait for another opener's
+            conn.execute(text("SET LOCAL statement_timeout = 0; SET LOCAL lock_timeout = '600s'"))
             conn.execute(text("SELECT pg_advisory_xact_lock(7234001)"))
         command.upgrade(alembic_config(conn), revision)
 

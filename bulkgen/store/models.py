@@ -160,6 +160,9 @@ class Worker(Base):
     status: Mapped[str] = mapped_column(String(16), default="running")  # running | stopped
     started_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
     heartbeat_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+    # The last progress it made (a step, a claim, a commit), as its heartbeat last said: a worker alive and holding
+    # requests but not progressing is stalled (`bulkgen status`), whatever its heartbeat
+    progress_at: Mapped[datetime | None] = mapped_column(DateTime)
     num_completed: Mapped[int] = mapped_column(Integer, default=0)
     num_output_tokens: Mapped[int] = mapped_column(Integer, default=0)
     # What it ran with, once its engine is up: engine line, dtype, KV cache, packing (`bulkgen report`)

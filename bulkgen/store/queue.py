@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import and_, case, false, func, insert, select, text, update
@@ -33,6 +33,7 @@ from bulkgen.store.packings import DEFAULT_PACKING, SORT_KEYS
 
 RUNNABLE_JOBS = (JobStatus.QUEUED.value, JobStatus.RUNNING.value)
 SHAPE_SAMPLE = 1024  # pending requests whose mean length sizes a claim
+ID_CHUNK = 1000  # ids in one IN list
 
 
 @dataclass(frozen=True)
@@ -53,15 +54,41 @@ def register_worker(session: Session, worker_id: str) -> None:
                          started_at=utcnow(), heartbeat_at=utcnow()))
 
 
-def heartbeat(session: Session, worker_id: str, lease_s: float) -> int:
-    """Renew this worker's leases. Returns how many requests it still holds."""
+def heartbeat(session: Session, worker_id: str, lease_s: float, request_ids: list[int],
+              progress_at: datetime | None = None) -> int:
+    """Renew the leases of the requests this worker holds (those it knows of: `request_ids`), and say it is alive
+    and when it last made progress. Returns how many leases it renewed."""
     now = utcnow()
-    session.execute(update(Worker).where(Worker.id == worker_id).values(heartbeat_at=now))
-    return session.execute(
-        update(Request)
-        .where(Request.lease_owner == worker_id, Request.state == RequestState.RUNNING.value)
-        .values(lease_expires_at=now + timedelta(seconds=lease_s))
-    ).rowcount
+    session.execute(update(Worker).where(Worker.id == worker_id).values(heartbeat_at=now, progress_at=progress_at))
+    renewed = 0
+    for start in range(0, len(request_ids), ID_CHUNK):
+        renewed += session.execute(
+            update(Request)
+            .where(Request.id.in_(request_ids[start:start + ID_CHUNK]), Request.lease_owner == worker_id,
+                   Request.state == RequestState.RUNNING.value)
+            .values(lease_expires_at=now + timedelta(seconds=lease_s))
+        ).rowcount
+    return renewed
+
+
+def reconcile_leases(session: Session, worker_id: str, held_ids: list[int]) -> tuple[list[int], int]:
+    """The store's leases against what the worker holds: (those of `held_ids` it no longer holds: cancelled, or
+    reclaimed after a stall; how many requests leased under its id it did not know of were given back). The latter
+    come from a claim that committed while its answer was lost (a dropped connection): nobody would run them, and
+    nobody else could claim them while this worker lives. Given back as a clean stop gives back: no attempt spent."""
+    lost = lost_requests(session, worker_id, held_ids)
+    orphans = list(session.scalars(select(Request.id).where(
+        Request.lease_owner == worker_id, Request.state == RequestState.RUNNING.value)))
+    unknown = sorted(set(orphans) - set(held_ids))
+    return lost, release(session, worker_id, unknown)
+
+
+def held_elsewhere(session: Session, worker_id: str, job_ids: list[int]) -> dict[str, int]:
+    """Requests of these jobs running on other workers: worker id -> how many."""
+    return {owner: int(n) for owner, n in session.execute(
+        select(Request.lease_owner, func.count()).where(
+            Request.job_id.in_(job_ids), Request.state == RequestState.RUNNING.value,
+            Request.lease_owner != worker_id).group_by(Request.lease_owner))}
 
 
 def stop_worker(session: Session, worker_id: str, num_completed: int, num_output_tokens: int) -> None:
@@ -183,15 +210,16 @@ def commit_results(session: Session, worker_id: str, results: list[dict[str, Any
 
 def release(session: Session, worker_id: str, request_ids: list[int]) -> int:
     """Give unfinished requests back to the queue (a clean stop): this attempt does not count."""
-    if not request_ids:
-        return 0
-    return session.execute(
-        update(Request)
-        .where(Request.id.in_(request_ids), Request.state == RequestState.RUNNING.value,
-               Request.lease_owner == worker_id)
-        .values(state=RequestState.PENDING.value, lease_owner=None, lease_expires_at=None,
-                attempts=Request.attempts - 1, updated_at=utcnow())
-    ).rowcount
+    released = 0
+    for start in range(0, len(request_ids), ID_CHUNK):
+        released += session.execute(
+            update(Request)
+            .where(Request.id.in_(request_ids[start:start + ID_CHUNK]), Request.state == RequestState.RUNNING.value,
+                   Request.lease_owner == worker_id)
+            .values(state=RequestState.PENDING.value, lease_owner=None, lease_expires_at=None,
+                    attempts=Request.attempts - 1, updated_at=utcnow())
+        ).rowcount
+    return released
 
 
 def lost_requests(session: Session, worker_id: str, request_ids: list[int]) -> list[int]:

@@ -9,7 +9,11 @@ from typing import Any
 from sqlalchemy import func, insert, select, update
 from sqlalchemy.orm import Session
 
-from bulkgen.store.models import Request, RequestState, Result, RunSample, Worker, utcnow
+from bulkgen.store.models import Request, RequestState, Result, RunSample, Worker, iso_utc, utcnow
+
+STALLED_SHARE = 0.25  # of a worker's --stall-s without progress while holding requests: shown as stalled (its
+# own line says so at the same moment: liveness.WARN_SHARE)
+DEFAULT_STALL_S = 600.0  # a worker that did not record its own (an older bulkgen)
 
 
 def insert_samples(session: Session, rows: list[dict[str, Any]]) -> int:
@@ -58,3 +62,28 @@ def job_workers(session: Session, job_id: int) -> list[tuple[Worker, int, int]]:
     workers = list(session.scalars(select(Worker).where(Worker.id.in_(ids)).order_by(Worker.started_at))) \
         if ids else []
     return [(w, *committed.get(w.id, (0, 0))) for w in workers]
+
+
+def lease_holders(session: Session, job_id: int) -> list[dict[str, Any]]:
+    """The workers holding the job's requests now, and how each is doing: "working"; "stalled" (heart-beating, but
+    no progress for a quarter of its --stall-s: its own log says what it waits on); "silent" (no heartbeat for a
+    lease: killed, or its machine or network gone; its requests return to the queue as its leases expire)."""
+    held = dict(session.execute(select(Request.lease_owner, func.count()).where(
+        Request.job_id == job_id, Request.state == RequestState.RUNNING.value, Request.lease_owner.is_not(None))
+        .group_by(Request.lease_owner)).all())
+    workers = {w.id: w for w in session.scalars(select(Worker).where(Worker.id.in_(list(held))))} if held else {}
+    now = utcnow()
+    out = []
+    for worker_id in sorted(held):
+        worker = workers.get(worker_id)
+        settings = (worker.settings if worker else None) or {}
+        lease_s, stall_s = settings.get("lease_s", 60.0), settings.get("stall_s", DEFAULT_STALL_S)
+        state = "working"
+        if worker is None or (now - worker.heartbeat_at).total_seconds() > lease_s:
+            state = "silent"
+        elif worker.progress_at is not None and (now - worker.progress_at).total_seconds() > STALLED_SHARE * stall_s:
+            state = "stalled"
+        out.append({"worker_id": worker_id, "num_requests": int(held[worker_id]), "state": state,
+                    "heartbeat_at": iso_utc(worker.heartbeat_at) if worker else None,
+                    "progress_at": iso_utc(worker.progress_at) if worker else None})
+    return out
