@@ -205,7 +205,7 @@ class Worker:
 
     def _serve(self, jobs: list[Job]) -> int:
         """Run the jobs of one model until none of their requests is pending (or a stop). Returns how many
-        requests it claimed. Each turn: stop (drain) or claim if due, step, commit if due, drop the lost."""
+        requests it claimed. Each turn: stop (drain) or claim if due, step, commit if due, reconcile the leases."""
         engine = self._engine(jobs[0].model_path)
         self._say_start(engine, jobs)
         settings = self._settings(engine)
@@ -350,7 +350,8 @@ class Worker:
                limit: int) -> int:
         with self.store.session_scope(write=True) as session:
             claimed = q.claim(session, self.worker_id, job_ids, limit, self.options.lease_s, self.options.packing)
-        self.writer.hold(claimed)
+        for request_id in self.writer.hold(claimed):  # an earlier attempt of ours, lost before we noticed
+            engine.abort(request_id)
         if claimed:
             self.liveness.progressed()
         for request in claimed:

@@ -54,9 +54,20 @@ class ResultWriter:
     def has_rows(self) -> bool:
         return bool(self._results or self._failures)
 
-    def hold(self, requests: Iterable[q.ClaimedRequest]) -> None:
+    def hold(self, requests: Iterable[q.ClaimedRequest]) -> list[int]:
+        """Hold newly claimed requests. Returns those this worker held already: an earlier attempt of its own that
+        it lost (a cancel and a retry, or a lease that expired while it was paused) before it noticed; that
+        attempt's rows are dropped here, and the caller drops it from the engine (the new lease runs it anew)."""
+        again = [request.id for request in requests if request.id in self.held]
+        if again:
+            self._forget_rows(set(again))
         for request in requests:
             self.held[request.id] = request
+        return again
+
+    def _forget_rows(self, request_ids: set[int]) -> None:
+        self._results = [r for r in self._results if r["request_id"] not in request_ids]
+        self._failures = [f for f in self._failures if f[0] not in request_ids]
 
     def fail(self, request_id: int, reason: str) -> None:
         self._failures.append((request_id, reason))
@@ -112,9 +123,7 @@ class ResultWriter:
         with self.store.session_scope(write=True) as session:
             lost, num_unknown = q.reconcile_leases(session, self.worker_id, list(self.held))
         if lost:
-            gone = set(lost)
-            self._results = [r for r in self._results if r["request_id"] not in gone]
-            self._failures = [f for f in self._failures if f[0] not in gone]
+            self._forget_rows(set(lost))
             for request_id in lost:
                 self.held.pop(request_id, None)
         return lost, num_unknown

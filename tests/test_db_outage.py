@@ -230,7 +230,7 @@ def test_transient_and_fatal_errors_are_told_apart(tmp_path: Path, own_postgres:
 
 def test_sqlite_locked_past_the_busy_timeout_is_waited_out(tmp_path: Path, tiny_model_dir: Path,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """Another process holds SQLite's write lock for 3 s against a busy timeout of 0.3 s: the worker waits."""
+    """Another process holds SQLite's write lock past a busy timeout of 0.3 s: the worker waits it out."""
     from bulkgen.config import EngineConfig
     from bulkgen.worker import Worker, WorkerOptions
 
@@ -252,11 +252,15 @@ def test_sqlite_locked_past_the_busy_timeout_is_waited_out(tmp_path: Path, tiny_
     thread = threading.Thread(target=run)
     thread.start()
     _wait_for(lambda: num_results(db) > 0 or not thread.is_alive(), None, "a first commit")
-    locker = subprocess.Popen([sys.executable, "-c", "import sqlite3, sys, time; c = sqlite3.connect(sys.argv[1]); "
+    locker = subprocess.Popen([sys.executable, "-c", "import sqlite3, sys; c = sqlite3.connect(sys.argv[1]); "
                                "c.isolation_level = None; c.execute('BEGIN IMMEDIATE'); print('locked', flush=True); "
-                               "time.sleep(3); c.execute('ROLLBACK')", str(path)], stdout=subprocess.PIPE, text=True)
-    assert locker.stdout.readline().strip() == "locked"
-    locker.wait(timeout=30)
+                               "sys.stdin.readline(); c.execute('ROLLBACK')", str(path)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert locker.stdout.readline().strip() == "locked"
+        _wait_for(lambda: worker.outage.num_outages >= 1 or not thread.is_alive(), None, "the outage", timeout=60)
+    finally:
+        locker.communicate("\n", timeout=30)  # the lock goes once the worker waits it out
     thread.join(timeout=600)
     assert not errors, errors
     assert worker.outage.num_outages >= 1, "the lock outlasted the busy timeout: an outage, waited out"

@@ -257,3 +257,4 @@ def test_two_workers_share_a_small_job(tmp_path: Path, db_url: str, tiny_model_d
     store = open_store(db_url)
     with store.session_scope() as session:
         assert session.scalar(select(func.max(Request.attempts))) == 1, "nobody claimed a request twice"
+

@@ -165,11 +165,14 @@ def test_sigkill_at_random_moments_then_resume_equals_an_uninterrupted_run(tmp_p
     # in test_worker.py). At most 8 sequences at a time: a commit then adds few rows, so a kill bounded by
     # a count of rows lands close to it.
     flags = ["--max-attempts", "10", "--max-num-seqs", "8"]
+    holders = []
     for kill in range(4):
         ceiling = min(committed + rng.randint(8, 40), NUM_ROWS - 60)
         committed = kill_before(db, start_worker(db, *flags), ceiling, rng)
         assert committed < NUM_ROWS - 30, f"kill {kill + 1} came too late ({committed} of {NUM_ROWS} committed)"
+        holders += invoke_json("status", job_id, "--db", db)["workers"]  # what a user sees before the next run
     assert committed > 0
+    assert holders and all(w["state"] == "gone" for w in holders), holders  # the killed holder, said gone
     final = subprocess.run([sys.executable, "-m", "bulkgen", "run", "--db", db, *RUN_FLAGS, *flags],
                            capture_output=True, text=True)
     assert final.returncode == 0, final.stderr
@@ -275,3 +278,34 @@ def test_a_database_failing_mid_run_stops_the_worker_cleanly(tmp_path: Path, tin
         committed = session.scalar(select(func.count()).select_from(Result))
         states = dict(session.execute(select(Request.state, func.count()).group_by(Request.state)).all())
     assert 0 < committed <= 10 and states == {"completed": committed, "pending": 60 - committed}, states
+
+
+def test_a_cancel_and_retry_under_a_paused_worker_runs_each_request_once(tmp_path: Path, tiny_model_dir: Path,
+                                                                       make_db) -> None:
+    """The job is cancelled and retried while its worker is paused holding requests: on waking it claims again
+    requests still in its engine before it notices it lost them (the soak found each failed, 'already in the
+    engine'). The earlier attempt is dropped, the new one runs: every request completed once. One request's budget
+    is far the largest: claimed first, it still runs when the others have finished, and the first claim after
+    waking takes it again."""
+    db = make_db("again")
+    num_rows = 40
+    data = write_parquet(tmp_path / "in.parquet", {"prompt": [f"Say {i}." for i in range(num_rows)],
+                                                   "budget": [1500] + [8] * (num_rows - 1)})
+    job_id = invoke_json("submit", data, "--model", tiny_model_dir, "--max-new-tokens-column", "budget",
+                         "--ignore-eos", "--db", db)["job_id"]
+    proc = start_worker(db, "--max-num-seqs", "4", "--lease-seconds", "300")
+    wait_for_results(db, 0, proc)
+    still_running(proc, "paused")
+    pause_between_transactions(db, proc.pid, time.monotonic() + 60)
+    try:
+        invoke("cancel", job_id, "--db", db)
+        assert invoke_json("retry", job_id, "--db", db)["requeued"] > 0
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr
+    status = invoke_json("status", job_id, "--db", db)
+    assert status["counts"] == {"pending": 0, "running": 0, "completed": num_rows, "failed": 0, "cancelled": 0}, \
+        status
+    with open_store(db).session_scope() as session:
+        assert session.scalar(select(func.count()).select_from(Result)) == num_rows

@@ -143,7 +143,7 @@ def status(job_id: int, watch: bool, interval_s: float, as_json: bool, db_url: s
 
 
 def _summary(session: Any, job_id: int) -> dict[str, Any]:
-    """`status --json`: the job's summary and the workers holding its requests now (working, stalled or silent)."""
+    """`status --json`: the job's summary and the workers holding its requests now (working, stalled or gone)."""
     from bulkgen.store import runs  # here: the other commands of this module need none of it
 
     summary = job_ops.describe_jobs(session, [job_ops.get_job(session, job_id)])[0]
@@ -153,7 +153,9 @@ def _summary(session: Any, job_id: int) -> dict[str, Any]:
 
 def _workers_line(workers: list[dict[str, Any]]) -> str:
     said = {"working": "", "stalled": ", stalled: no progress since {progress_at} (its log says what it waits on)",
-            "silent": ", silent since {heartbeat_at}: its requests return to the queue when their leases expire"}
+            "gone": ", gone (last heard of {heartbeat_at}: killed, or its machine went away): its requests go back to "
+                    "the queue when a `bulkgen run` next looks (at once on this machine, else when their leases "
+                    "expire)"}
     return f"workers holding requests: {len(workers)}" + "".join(
         f"\n  {w['worker_id']}: {w['num_requests']} request(s)" + said[w["state"]].format(**w) for w in workers)
 

@@ -10,6 +10,7 @@ from sqlalchemy import func, insert, select, update
 from sqlalchemy.orm import Session
 
 from bulkgen.store.models import Request, RequestState, Result, RunSample, Worker, iso_utc, utcnow
+from bulkgen.store.queue import is_gone
 
 STALLED_SHARE = 0.25  # of a worker's --stall-s without progress while holding requests: shown as stalled (its
 # own line says so at the same moment: liveness.WARN_SHARE)
@@ -66,8 +67,9 @@ def job_workers(session: Session, job_id: int) -> list[tuple[Worker, int, int]]:
 
 def lease_holders(session: Session, job_id: int) -> list[dict[str, Any]]:
     """The workers holding the job's requests now, and how each is doing: "working"; "stalled" (heart-beating, but
-    no progress for a quarter of its --stall-s: its own log says what it waits on); "silent" (no heartbeat for a
-    lease: killed, or its machine or network gone; its requests return to the queue as its leases expire)."""
+    no progress for a quarter of its --stall-s: its own log says what it waits on); "gone" (its process is gone on
+    this host, or no heartbeat for a lease: killed, or its machine or network gone; its requests return to the
+    queue when a worker next looks, at once on this host, else when their leases expire)."""
     held = dict(session.execute(select(Request.lease_owner, func.count()).where(
         Request.job_id == job_id, Request.state == RequestState.RUNNING.value, Request.lease_owner.is_not(None))
         .group_by(Request.lease_owner)).all())
@@ -79,8 +81,9 @@ def lease_holders(session: Session, job_id: int) -> list[dict[str, Any]]:
         settings = (worker.settings if worker else None) or {}
         lease_s, stall_s = settings.get("lease_s", 60.0), settings.get("stall_s", DEFAULT_STALL_S)
         state = "working"
-        if worker is None or (now - worker.heartbeat_at).total_seconds() > lease_s:
-            state = "silent"
+        if worker is None or worker.status == "dead" or is_gone(worker.hostname, worker.pid) or \
+                (now - worker.heartbeat_at).total_seconds() > lease_s:
+            state = "gone"
         elif worker.progress_at is not None and (now - worker.progress_at).total_seconds() > STALLED_SHARE * stall_s:
             state = "stalled"
         out.append({"worker_id": worker_id, "num_requests": int(held[worker_id]), "state": state,
