@@ -183,9 +183,16 @@ class OwnPostgres:
         self._ctl("-m", "fast", "-o", f"-p {self.port} -k /tmp -c listen_addresses=127.0.0.1 -c fsync=off",
                   "restart")
 
+    def is_running(self) -> bool:
+        done = subprocess.run([*self.as_user, str(PG_BIN / "pg_ctl"), "-D", str(self.data), "status"],
+                              capture_output=True, text=True, timeout=60, cwd="/")
+        return done.returncode == 0
 
-@pytest.fixture
-def own_postgres():
+
+@pytest.fixture(scope="session")
+def own_postgres_server():
+    """One PostgreSQL server of the suite's own for the session (initdb once); each test gets a database of its own
+    on it (own_postgres)."""
     if not (PG_BIN / "initdb").exists():
         pytest.skip(f"no PostgreSQL server binaries at {PG_BIN} (the CI machine has PostgreSQL 15)")
     pytest.importorskip("psycopg")
@@ -202,3 +209,46 @@ def own_postgres():
                 pass
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+class OwnDatabase:
+    """A database of the test's own on the session's own server, which the test may restart and stop at will (the
+    fixture starts it again if a test left it stopped)."""
+
+    def __init__(self, server: OwnPostgres, name: str) -> None:
+        self.server, self.name = server, name
+        self.port = server.port
+        server.createdb(name)
+        self.url = server.url.rsplit("/", 1)[0] + f"/{name}"
+
+    def createdb(self, name: str) -> None:
+        self.server.createdb(name)
+
+    def start(self) -> None:
+        self.server.start()
+
+    def stop(self) -> None:
+        self.server.stop()
+
+    def restart(self) -> None:
+        self.server.restart()
+
+
+@pytest.fixture
+def own_postgres(own_postgres_server: OwnPostgres, request: pytest.FixtureRequest):
+    import uuid
+
+    database = OwnDatabase(own_postgres_server, f"t_{uuid.uuid4().hex[:12]}")
+    yield database
+    if not own_postgres_server.is_running():
+        own_postgres_server.start()
+
+
+@pytest.fixture(scope="session")
+def standard_reference(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> list[dict]:
+    """The export of test_worker_process.make_job's standard job run by one worker from start to end, without a
+    fault: what every interrupted run of that job must equal (made once a session)."""
+    from tests.test_worker_process import uninterrupted_run
+
+    root = tmp_path_factory.mktemp("reference")
+    return uninterrupted_run(root, tiny_model_dir, f"sqlite:///{root / 'reference.db'}")

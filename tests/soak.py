@@ -37,7 +37,7 @@ from sqlalchemy import func, select
 
 from bulkgen.store.db import Store, open_store
 from bulkgen.store.models import Job, Request, Result
-from tests.conftest import OwnPostgres, make_tiny_model
+from tests.conftest import OwnDatabase, OwnPostgres, make_tiny_model
 from tests.helpers import invoke, invoke_json, write_parquet
 from tests.test_db_outage import DroppingProxy
 from tests.test_worker_process import pause_between_transactions
@@ -101,7 +101,7 @@ def reference(folder: Path, model: Path, num_rows: int) -> list[list[tuple]]:
 
 
 class Soak:
-    def __init__(self, root: Path, model: Path, server: OwnPostgres, num_workers: int, num_rows: int,
+    def __init__(self, root: Path, model: Path, server: OwnPostgres | OwnDatabase, num_workers: int, num_rows: int,
                  rng: random.Random) -> None:
         self.root, self.model, self.server = root, model, server
         self.num_workers, self.num_rows, self.rng = num_workers, num_rows, rng

@@ -20,7 +20,7 @@ from bulkgen.errors import StoreError
 from bulkgen.store import db as store_db
 from bulkgen.store.db import open_store
 from bulkgen.store.models import Request, Result
-from tests.conftest import OwnPostgres
+from tests.conftest import OwnDatabase
 from tests.test_worker_process import (
     NUM_ROWS,
     POLL_S,
@@ -28,7 +28,6 @@ from tests.test_worker_process import (
     make_job,
     num_results,
     start_worker,
-    uninterrupted_run,
 )
 
 
@@ -56,7 +55,7 @@ def assert_exactly_once(db: str, job_id: int, tmp_path: Path, reference: list[di
         assert session.scalar(select(func.count(func.distinct(Result.request_id)))) == NUM_ROWS
 
 
-def outages(db: str, proc: subprocess.Popen, server: OwnPostgres, stopped_s: float) -> None:
+def outages(db: str, proc: subprocess.Popen, server: OwnDatabase, stopped_s: float) -> None:
     """Two restarts and a stop of stopped_s, each once the worker has committed more since the last."""
     for event in ("restart", "restart", "stop"):
         before = num_results(db)
@@ -71,8 +70,9 @@ def outages(db: str, proc: subprocess.Popen, server: OwnPostgres, stopped_s: flo
 
 
 def test_one_worker_rides_out_two_restarts_and_a_stop(tmp_path: Path, tiny_model_dir: Path,
-                                                      own_postgres: OwnPostgres) -> None:
-    reference = uninterrupted_run(tmp_path, tiny_model_dir, f"sqlite:///{tmp_path / 'reference.db'}")
+                                                      own_postgres: OwnDatabase,
+                                                      standard_reference: list[dict]) -> None:
+    reference = standard_reference
     db = own_postgres.url
     job_id = make_job(tmp_path, tiny_model_dir, db)
     proc = start_worker(db, "--max-num-seqs", "8", "--json")
@@ -84,8 +84,8 @@ def test_one_worker_rides_out_two_restarts_and_a_stop(tmp_path: Path, tiny_model
 
 
 def test_two_workers_ride_out_a_restart_and_a_stop(tmp_path: Path, tiny_model_dir: Path,
-                                                   own_postgres: OwnPostgres) -> None:
-    reference = uninterrupted_run(tmp_path, tiny_model_dir, f"sqlite:///{tmp_path / 'reference.db'}")
+                                                   own_postgres: OwnDatabase, standard_reference: list[dict]) -> None:
+    reference = standard_reference
     db = own_postgres.url
     job_id = make_job(tmp_path, tiny_model_dir, db)
     procs = [start_worker(db, "--max-num-seqs", "4", "--json") for _ in range(2)]
@@ -146,8 +146,9 @@ class DroppingProxy(threading.Thread):
 
 
 def test_a_commit_whose_acknowledgement_is_lost_is_neither_lost_nor_doubled(tmp_path: Path, tiny_model_dir: Path,
-                                                                            own_postgres: OwnPostgres) -> None:
-    reference = uninterrupted_run(tmp_path, tiny_model_dir, f"sqlite:///{tmp_path / 'reference.db'}")
+                                                                            own_postgres: OwnDatabase,
+                                                                            standard_reference: list[dict]) -> None:
+    reference = standard_reference
     job_id = make_job(tmp_path, tiny_model_dir, own_postgres.url)
     proxy = DroppingProxy(own_postgres.port, drops=3)
     proxy.start()
@@ -160,11 +161,12 @@ def test_a_commit_whose_acknowledgement_is_lost_is_neither_lost_nor_doubled(tmp_
 
 
 def test_a_claim_whose_answer_is_lost_is_given_back_not_held_forever(tmp_path: Path, tiny_model_dir: Path,
-                                                                     own_postgres: OwnPostgres) -> None:
+                                                                     own_postgres: OwnDatabase,
+                                                                     standard_reference: list[dict]) -> None:
     """The stall of issue 35: a claim commits, its answer is lost, and the requests stay leased under the worker's
     id without the worker knowing. Its heartbeat renewed every lease under its id, so they never expired, and the
     worker waited for them forever (as did every other). Now they are given back when the outage ends."""
-    reference = uninterrupted_run(tmp_path, tiny_model_dir, f"sqlite:///{tmp_path / 'reference.db'}")
+    reference = standard_reference
     job_id = make_job(tmp_path, tiny_model_dir, own_postgres.url)
     proxy = DroppingProxy(own_postgres.port, drops=2, marker=b"SKIP LOCKED")
     proxy.start()
@@ -180,7 +182,7 @@ def test_a_claim_whose_answer_is_lost_is_given_back_not_held_forever(tmp_path: P
 
 
 def test_a_dropped_table_still_stops_the_worker_at_once(tmp_path: Path, tiny_model_dir: Path,
-                                                        own_postgres: OwnPostgres) -> None:
+                                                        own_postgres: OwnDatabase) -> None:
     db = own_postgres.url
     make_job(tmp_path, tiny_model_dir, db)
     proc = start_worker(db, "--max-num-seqs", "4")
@@ -195,7 +197,7 @@ def test_a_dropped_table_still_stops_the_worker_at_once(tmp_path: Path, tiny_mod
 
 
 def test_a_server_down_for_longer_than_the_limit_stops_the_worker(tmp_path: Path, tiny_model_dir: Path,
-                                                                  own_postgres: OwnPostgres) -> None:
+                                                                  own_postgres: OwnDatabase) -> None:
     db = own_postgres.url
     make_job(tmp_path, tiny_model_dir, db)
     proc = start_worker(db, "--max-num-seqs", "4", "--db-outage-s", "3")
@@ -212,7 +214,7 @@ def test_a_server_down_for_longer_than_the_limit_stops_the_worker(tmp_path: Path
         assert session.scalar(select(func.count()).select_from(Result)) > 0  # what was committed stays
 
 
-def test_transient_and_fatal_errors_are_told_apart(tmp_path: Path, own_postgres: OwnPostgres) -> None:
+def test_transient_and_fatal_errors_are_told_apart(tmp_path: Path, own_postgres: OwnDatabase) -> None:
     def error_of(url: str) -> StoreError:
         store = store_db.Store(store_db.create_db_engine(url))
         with pytest.raises(StoreError) as caught, store.session_scope() as session:
@@ -224,17 +226,18 @@ def test_transient_and_fatal_errors_are_told_apart(tmp_path: Path, own_postgres:
         assert error_of(own_postgres.url).transient, "a server that is down comes back"
     finally:
         own_postgres.start()
-    assert not error_of(own_postgres.url.replace("/bulkgen", "/nosuchdb")).transient
+    assert not error_of(own_postgres.url.rsplit("/", 1)[0] + "/nosuchdb").transient
     assert not error_of(own_postgres.url).transient, "no table: a bulkgen schema was never made here"
 
 
 def test_sqlite_locked_past_the_busy_timeout_is_waited_out(tmp_path: Path, tiny_model_dir: Path,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+                                                           monkeypatch: pytest.MonkeyPatch,
+                                                           standard_reference: list[dict]) -> None:
     """Another process holds SQLite's write lock past a busy timeout of 0.3 s: the worker waits it out."""
     from bulkgen.config import EngineConfig
     from bulkgen.worker import Worker, WorkerOptions
 
-    reference = uninterrupted_run(tmp_path, tiny_model_dir, f"sqlite:///{tmp_path / 'reference.db'}")
+    reference = standard_reference
     monkeypatch.setattr(store_db, "SQLITE_BUSY_TIMEOUT_MS", 300)
     path = tmp_path / "locked.db"
     db = f"sqlite:///{path}"

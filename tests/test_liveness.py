@@ -19,7 +19,7 @@ from bulkgen.liveness import StalledError
 from bulkgen.store.db import open_store
 from bulkgen.store.models import Request, Result
 from bulkgen.worker import Worker, WorkerOptions
-from tests.conftest import OwnPostgres
+from tests.conftest import OwnDatabase
 from tests.helpers import invoke_json
 from tests.test_worker_process import POLL_S, RUN_FLAGS, make_job, num_results, start_worker
 
@@ -91,7 +91,7 @@ def test_a_worker_blocked_on_a_lock_says_so_then_stops_and_gives_its_requests_ba
 
 
 def test_a_worker_that_cannot_come_back_ends_itself_and_status_shows_it_stalled(
-        tmp_path: Path, tiny_model_dir: Path, own_postgres: OwnPostgres) -> None:
+        tmp_path: Path, tiny_model_dir: Path, own_postgres: OwnDatabase) -> None:
     """PostgreSQL: another session holds the results table locked; the worker's commit waits (the lock's bound,
     30 s, is past --stall-s). `status` shows the worker stalled while it lasts; the watchdog ends the process
     (exit 1, one error line saying where it was) a lease after the stall; its leases, no longer renewed, expire,

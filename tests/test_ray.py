@@ -26,7 +26,6 @@ from tests.test_worker_process import (
     make_job,
     make_two_work,
     num_results,
-    uninterrupted_run,
 )
 
 ray = pytest.importorskip("ray")
@@ -85,8 +84,9 @@ def test_two_actors_share_one_job_and_no_request_runs_twice(tmp_path: Path, tiny
 
 @postgres_only
 def test_an_actor_killed_mid_job_is_restarted_and_the_export_equals_one_worker(tmp_path: Path, tiny_model_dir: Path,
-                                                                               make_db, ray_address: str) -> None:
-    reference = uninterrupted_run(tmp_path, tiny_model_dir, make_db("reference"))
+                                                                               make_db, ray_address: str,
+                                                                               standard_reference: list[dict]) -> None:
+    reference = standard_reference
 
     db = make_db("killed")
     job_id = make_job(tmp_path, tiny_model_dir, db, max_new=24)
@@ -189,10 +189,10 @@ def test_ray_data_stage_adds_exports_columns_equal_to_a_queue_run(tmp_path: Path
 
 
 def test_actors_ride_out_a_database_restart_and_a_stop(tmp_path: Path, tiny_model_dir: Path, own_postgres,
-                                                      ray_address: str) -> None:
+                                                      ray_address: str, standard_reference: list[dict]) -> None:
     """Two actors on a PostgreSQL of the test's own, restarted twice and stopped for 6 s: the actors wait (no
     restart spent, no error), the driver says the database was away, every row once, as one worker's run."""
-    reference = uninterrupted_run(tmp_path, tiny_model_dir, f"sqlite:///{tmp_path / 'reference.db'}")
+    reference = standard_reference
     db = own_postgres.url
     job_id = make_job(tmp_path, tiny_model_dir, db, max_new=24)
     proc = ray_run(db, ray_address, "--workers", "2", "--max-num-seqs", "4", "--json")

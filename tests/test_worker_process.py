@@ -153,8 +153,9 @@ def uninterrupted_run(tmp_path: Path, model: Path, db: str) -> list[dict]:
 
 
 def test_sigkill_at_random_moments_then_resume_equals_an_uninterrupted_run(tmp_path: Path, tiny_model_dir: Path,
-                                                                          make_db) -> None:
-    reference = uninterrupted_run(tmp_path, tiny_model_dir, make_db("reference"))
+                                                                          make_db,
+                                                                          standard_reference: list[dict]) -> None:
+    reference = standard_reference
 
     db = make_db("crash")
     job_id = make_job(tmp_path, tiny_model_dir, db)
