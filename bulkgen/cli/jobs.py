@@ -143,12 +143,9 @@ def status(job_id: int, watch: bool, interval_s: float, as_json: bool, db_url: s
 
 
 def _summary(session: Any, job_id: int) -> dict[str, Any]:
-    """`status --json`: the job's summary and the workers holding its requests now (working, stalled or gone)."""
     from bulkgen.store import runs  # here: the other commands of this module need none of it
 
-    summary = job_ops.describe_jobs(session, [job_ops.get_job(session, job_id)])[0]
-    summary["workers"] = runs.lease_holders(session, job_id)
-    return summary
+    return runs.job_summary(session, job_ops.get_job(session, job_id))
 
 
 def _workers_line(workers: list[dict[str, Any]]) -> str:

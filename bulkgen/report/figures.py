@@ -50,7 +50,7 @@ def current_jobs(store: Store) -> list[int]:
 
 def job_report(session: Session, job_id: int, num_examples: int = NUM_EXAMPLES) -> dict[str, Any]:
     job = job_ops.get_job(session, job_id)
-    summary = job_ops.describe_jobs(session, [job])[0]
+    summary = runs.job_summary(session, job)
     outcomes = reads.outcomes(session, job_id)
     samples = runs.job_samples(session, job_id)
     rates = throughput(samples, [] if samples else reads.commits(session, job_id))

@@ -9,7 +9,8 @@ from typing import Any
 from sqlalchemy import func, insert, select, update
 from sqlalchemy.orm import Session
 
-from bulkgen.store.models import Request, RequestState, Result, RunSample, Worker, iso_utc, utcnow
+from bulkgen.store.jobs import describe_jobs
+from bulkgen.store.models import Job, Request, RequestState, Result, RunSample, Worker, iso_utc, utcnow
 from bulkgen.store.queue import is_gone
 
 STALLED_SHARE = 0.25  # of a worker's --stall-s without progress while holding requests: shown as stalled (its
@@ -90,3 +91,11 @@ def lease_holders(session: Session, job_id: int) -> list[dict[str, Any]]:
                     "heartbeat_at": iso_utc(worker.heartbeat_at) if worker else None,
                     "progress_at": iso_utc(worker.progress_at) if worker else None})
     return out
+
+
+def job_summary(session: Session, job: Job) -> dict[str, Any]:
+    """`bulkgen status --json` (and the report's summary): the job's summary and the workers holding its requests
+    now (working, stalled or gone)."""
+    summary = describe_jobs(session, [job])[0]
+    summary["workers"] = lease_holders(session, job.id)
+    return summary
