@@ -47,7 +47,9 @@ class Heartbeat(threading.Thread):
             held = [] if self.liveness.stalled else self.held()  # a stalled worker's leases lapse
             try:
                 with self.store.session_scope(write=True) as session:
-                    q.heartbeat(session, self.worker_id, self.lease_s, held, self.liveness.progress_at)
+                    q.heartbeat(session, self.worker_id, self.liveness.progress_at)
+                with self.store.session_scope(write=True) as session:
+                    q.renew_leases(session, self.worker_id, self.lease_s, held)
             except StoreError as exc:  # keep trying: a database away is the worker's outage to say (outage.py)
                 (log.debug if exc.transient else log.warning)("bulkgen: heartbeat failed: %s", exc)
             except Exception as exc:

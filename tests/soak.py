@@ -25,7 +25,6 @@ import random
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -41,6 +40,7 @@ from tests.conftest import OwnDatabase, OwnPostgres, make_tiny_model
 from tests.helpers import invoke, invoke_json, write_parquet
 from tests.test_db_outage import DroppingProxy
 from tests.test_worker_process import pause_between_transactions
+from tests.zygote import bulkgen_process, run_bulkgen
 
 SCHEMA = json.dumps({"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
                                                       "n": {"type": "integer", "minimum": 0, "maximum": 99}},
@@ -93,8 +93,7 @@ def reference(folder: Path, model: Path, num_rows: int) -> list[list[tuple]]:
     """The uninterrupted run: one worker, SQLite, no fault."""
     db = f"sqlite:///{folder / 'reference.db'}"
     job_ids = make_jobs(folder, model, db, num_rows)
-    done = subprocess.run([sys.executable, "-m", "bulkgen", "run", "--db", db, *WORKER_FLAGS], capture_output=True,
-                          text=True, timeout=900)
+    done = run_bulkgen(["run", "--db", db, *WORKER_FLAGS], timeout=900)
     assert done.returncode == 0, done.stderr
     found = outputs(db, job_ids, folder)
     return [found[job_id] for job_id in job_ids]
@@ -195,8 +194,8 @@ class Soak:
     def _start(self, db: str, folder: Path) -> subprocess.Popen:
         self.num_started += 1
         log = open(folder / f"worker-{self.num_started:03d}.log", "w")  # noqa: SIM115 - the process owns it
-        return subprocess.Popen([sys.executable, "-m", "bulkgen", "run", "--db", db, *WORKER_FLAGS],
-                                stdout=log, stderr=subprocess.STDOUT, text=True, cwd=folder)
+        return bulkgen_process(["run", "--db", db, *WORKER_FLAGS], stdout=log, stderr=subprocess.STDOUT, text=True,
+                               cwd=folder)
 
     def _failure(self, folder: Path, proc: subprocess.Popen) -> str:
         return f"a worker exited {proc.returncode}:\n{self._logs(folder)}"

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +19,7 @@ from bulkgen.errors import ConfigError
 from bulkgen.model import ModelShape
 from tests.builds import BUILDS, HAS_AVX512_BF16, kernel
 from tests.helpers import invoke_json, write_parquet
+from tests.zygote import run_bulkgen
 
 SMOL = ModelShape(num_layers=30, hidden=576, intermediate=1536, num_heads=9, num_kv_heads=3, head_dim=64, vocab=49152,
                   layer_types=("full_attention",) * 30)
@@ -145,9 +144,8 @@ def test_each_build_runs_on_this_cpu(build: str) -> None:
 def test_run_verbose_names_the_cpu_and_each_path(tmp_path: Path, db_url: str, tiny_model_dir: Path) -> None:
     data = write_parquet(tmp_path / "in.parquet", {"prompt": ["Hello there", "What is two and two?"]})
     invoke_json("submit", data, "--model", tiny_model_dir, "--max-new-tokens", 4)
-    done = subprocess.run([sys.executable, "-m", "bulkgen", "run", "-v", "--no-progress", "--kv-cache-memory", "4MiB",
-                           "--kernels", "linear=torch"], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "BULKGEN_DB": db_url})
+    done = run_bulkgen(["run", "-v", "--no-progress", "--kv-cache-memory", "4MiB", "--kernels", "linear=torch"],
+                       timeout=300, env={**os.environ, "BULKGEN_DB": db_url})
     assert done.returncode == 0, done.stderr
     assert f"CPU {cpu.describe_cpu()}" in done.stderr
     assert "linear: torch (forced by --kernels linear=torch)" in done.stderr

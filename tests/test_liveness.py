@@ -22,6 +22,7 @@ from bulkgen.worker import Worker, WorkerOptions
 from tests.conftest import OwnDatabase
 from tests.helpers import invoke_json
 from tests.test_worker_process import POLL_S, RUN_FLAGS, make_job, num_results, start_worker
+from tests.zygote import run_bulkgen
 
 
 def wait_until(condition, what: str, timeout: float = 120) -> None:
@@ -37,8 +38,7 @@ def states(db: str) -> dict[str, int]:
 
 
 def finish_and_check_exactly_once(db: str, num_rows: int) -> None:
-    done = subprocess.run([sys.executable, "-m", "bulkgen", "run", "--db", db, *RUN_FLAGS], capture_output=True,
-                          text=True, timeout=600)
+    done = run_bulkgen(["run", "--db", db, *RUN_FLAGS], timeout=600)
     assert done.returncode == 0, done.stderr
     with open_store(db).session_scope() as session:
         assert session.scalar(select(func.count()).select_from(Result)) == num_rows

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import io
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 from bulkgen.progress import Progress
 from tests.helpers import invoke_json, write_parquet
+from tests.zygote import run_bulkgen
 
 
 def test_tokens_count_as_generated_and_the_eta_follows_them() -> None:
@@ -44,8 +43,8 @@ def test_a_run_off_a_terminal_says_what_it_starts_with_and_shows_tokens_before_a
     job_id = invoke_json("submit", data, "--model", tiny_model_dir, "--max-new-tokens", 300, "--ignore-eos")["job_id"]
     # --log-every 0: a line every step. 300 tokens with EOS ignored are 300 steps before any request can
     # finish, so the lines before the first finish are there by construction, on a machine of any speed.
-    done = subprocess.run([sys.executable, "-m", "bulkgen", "run", "--log-every", "0", "--kv-cache-memory", "4MiB"],
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "BULKGEN_DB": db_url})
+    done = run_bulkgen(["run", "--log-every", "0", "--kv-cache-memory", "4MiB"], timeout=300,
+                       env={**os.environ, "BULKGEN_DB": db_url})
     assert done.returncode == 0, done.stderr
     lines = done.stderr.splitlines()
     first = lines[0]

@@ -39,6 +39,7 @@ from tests.test_worker_process import (
     still_running,
     wait_for_results,
 )
+from tests.zygote import bulkgen_process, run_bulkgen
 
 ARTIFACTS = Path(os.environ.get("BULKGEN_TEST_ARTIFACTS", Path(__file__).resolve().parent.parent / ".artifacts"))
 SAMPLE_FLAGS = ["--sample-every", "0.3"]
@@ -49,8 +50,7 @@ PLOTS = ["throughput", "lengths", "timing", "finish", "engine"]
 
 
 def run_worker(db: str, *extra: str) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, "-m", "bulkgen", "run", "--db", db, *RUN_FLAGS, *SAMPLE_FLAGS, *extra],
-                          capture_output=True, text=True, timeout=300)
+    done = run_bulkgen(["run", "--db", db, *RUN_FLAGS, *SAMPLE_FLAGS, *extra], timeout=300)
     assert done.returncode == 0, done.stderr
     return done
 
@@ -323,12 +323,12 @@ def test_live_view_with_two_workers(tmp_path: Path, tiny_model_dir: Path, make_d
     """`status --watch --json` and `report --serve` follow two workers on one PostgreSQL queue to the end."""
     db = make_db("live")
     job_id = make_job(tmp_path, tiny_model_dir, db)
-    serve = subprocess.Popen([sys.executable, "-m", "bulkgen", "report", str(job_id), "--serve", "--port", "0",
-                              "--refresh", "1", "--db", db], stderr=subprocess.PIPE, text=True)
+    serve = bulkgen_process(["report", str(job_id), "--serve", "--port", "0", "--refresh", "1", "--db", db],
+                            stderr=subprocess.PIPE, text=True)
     url = next(found.group(0) for line in serve.stderr
                if (found := re.search(r"http://127\.0\.0\.1:\d+/", line)))
-    watch = subprocess.Popen([sys.executable, "-m", "bulkgen", "status", str(job_id), "--watch", "--json",
-                              "--interval", "0.3", "--db", db], stdout=subprocess.PIPE, text=True)
+    watch = bulkgen_process(["status", str(job_id), "--watch", "--json", "--interval", "0.3", "--db", db],
+                            stdout=subprocess.PIPE, text=True)
     workers = [start_worker(db, "--max-num-seqs", "4", *SAMPLE_FLAGS) for _ in range(2)]
     try:
         make_two_work(db, lambda: all(w.poll() is None for w in workers))

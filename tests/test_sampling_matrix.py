@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import jsonschema
@@ -21,6 +19,7 @@ from bulkgen.config import EngineConfig, SamplingParams
 from bulkgen.engine.engine import Engine
 from tests.helpers import invoke, invoke_json, write_parquet
 from tests.test_sampler import _run
+from tests.zygote import run_bulkgen
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120},
@@ -200,8 +199,7 @@ def test_a_sampled_constrained_job_killed_and_resumed_equals_an_uninterrupted_ru
     flags = ["--max-attempts", "10", "--max-num-seqs", "8"]
     reference_db = make_db("reference")
     reference_job = make(reference_db, tmp_path / "ref")
-    done = subprocess.run([sys.executable, "-m", "bulkgen", "run", "--db", reference_db, *RUN_FLAGS, *flags],
-                          capture_output=True, text=True)
+    done = run_bulkgen(["run", "--db", reference_db, *RUN_FLAGS, *flags])
     assert done.returncode == 0, done.stderr
     reference = export(reference_db, reference_job, tmp_path / "reference.parquet")
 
@@ -212,8 +210,7 @@ def test_a_sampled_constrained_job_killed_and_resumed_equals_an_uninterrupted_ru
     for _ in range(2):
         committed = kill_before(db, start_worker(db, *flags), min(committed + 20, NUM_ROWS - 40), rng)
     assert 0 < committed < NUM_ROWS - 20
-    done = subprocess.run([sys.executable, "-m", "bulkgen", "run", "--db", db, *RUN_FLAGS, *flags],
-                          capture_output=True, text=True)
+    done = run_bulkgen(["run", "--db", db, *RUN_FLAGS, *flags])
     assert done.returncode == 0, done.stderr
     rows = export(db, job_id, tmp_path / "resumed.parquet")
     assert [r["row"] for r in rows] == list(range(NUM_ROWS)) and all(r["status"] == "completed" for r in rows)

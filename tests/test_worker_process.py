@@ -8,7 +8,6 @@ import random
 import signal
 import sqlite3
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +18,7 @@ from sqlalchemy import func, select, text
 from bulkgen.store.db import open_store
 from bulkgen.store.models import Request, Result, Worker
 from tests.helpers import invoke, invoke_json, write_parquet
+from tests.zygote import bulkgen_process, run_bulkgen
 
 NUM_ROWS = 300
 POLL_S = 0.01  # how often a test looks at the database: short, so that what it acts on has just happened
@@ -35,9 +35,8 @@ def make_job(tmp_path: Path, model: Path, db: str, num_rows: int = NUM_ROWS, max
 
 
 def start_worker(db: str, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "bulkgen", "run", "--db", db, *RUN_FLAGS, *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return bulkgen_process(["run", "--db", db, *RUN_FLAGS, *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)
 
 
 def num_results(db: str) -> int:
@@ -146,8 +145,7 @@ def uninterrupted_run(tmp_path: Path, model: Path, db: str) -> list[dict]:
     """The export of make_job's job run by one worker from start to end: what an interrupted run must equal."""
     (tmp_path / "ref").mkdir()
     job_id = make_job(tmp_path / "ref", model, db)
-    done = subprocess.run([sys.executable, "-m", "bulkgen", "run", "--db", db, *RUN_FLAGS], capture_output=True,
-                          text=True)
+    done = run_bulkgen(["run", "--db", db, *RUN_FLAGS])
     assert done.returncode == 0, done.stderr
     return export_rows(db, job_id, tmp_path / "reference.parquet")
 
@@ -174,8 +172,7 @@ def test_sigkill_at_random_moments_then_resume_equals_an_uninterrupted_run(tmp_p
         holders += invoke_json("status", job_id, "--db", db)["workers"]  # what a user sees before the next run
     assert committed > 0
     assert holders and all(w["state"] == "gone" for w in holders), holders  # the killed holder, said gone
-    final = subprocess.run([sys.executable, "-m", "bulkgen", "run", "--db", db, *RUN_FLAGS, *flags],
-                           capture_output=True, text=True)
+    final = run_bulkgen(["run", "--db", db, *RUN_FLAGS, *flags])
     assert final.returncode == 0, final.stderr
     rows = export_rows(db, job_id, tmp_path / "resumed.parquet")
     assert [r["row"] for r in rows] == list(range(NUM_ROWS))  # every request exactly once
@@ -203,8 +200,7 @@ def test_sigterm_drains_commits_and_releases(tmp_path: Path, tiny_model_dir: Pat
     assert 0 < status["counts"]["completed"] < NUM_ROWS
     with open_store(db).session_scope() as session:  # a released request's attempt did not count
         assert session.scalar(select(func.max(Request.attempts)).where(Request.state == "pending")) == 0
-    done = subprocess.run([sys.executable, "-m", "bulkgen", "run", "--db", db, *RUN_FLAGS],
-                          capture_output=True, text=True)
+    done = run_bulkgen(["run", "--db", db, *RUN_FLAGS])
     assert done.returncode == 0
     assert invoke_json("status", job_id, "--db", db)["counts"]["completed"] == NUM_ROWS
 

@@ -50,24 +50,29 @@ class ClaimedRequest:
 
 
 def register_worker(session: Session, worker_id: str) -> None:
-    session.merge(Worker(id=worker_id, hostname=socket.gethostname(), pid=os.getpid(), status="running",
-                         started_at=utcnow(), heartbeat_at=utcnow()))
-
-
-def heartbeat(session: Session, worker_id: str, lease_s: float, request_ids: list[int],
-              progress_at: datetime | None = None) -> int:
-    """Renew the leases of the requests this worker holds (those it knows of: `request_ids`), and say it is alive
-    and when it last made progress. Returns how many leases it renewed."""
     now = utcnow()
-    session.execute(update(Worker).where(Worker.id == worker_id).values(heartbeat_at=now, progress_at=progress_at))
+    session.merge(Worker(id=worker_id, hostname=socket.gethostname(), pid=os.getpid(), status="running",
+                         started_at=now, heartbeat_at=now, progress_at=now))
+
+
+def heartbeat(session: Session, worker_id: str, progress_at: datetime | None) -> None:
+    """Say the worker is alive, and when it last made progress (its own transaction: a lease renewal that waits on
+    a row lock must not hold this back)."""
+    session.execute(update(Worker).where(Worker.id == worker_id).values(heartbeat_at=utcnow(), progress_at=progress_at))
+
+
+def renew_leases(session: Session, worker_id: str, lease_s: float, request_ids: list[int]) -> int:
+    """Renew the leases of the requests this worker holds (those it knows of: `request_ids`). On PostgreSQL a row
+    locked by the worker's own commit in flight is skipped (that commit ends its lease anyway). Returns how many."""
+    until = utcnow() + timedelta(seconds=lease_s)
     renewed = 0
     for start in range(0, len(request_ids), ID_CHUNK):
-        renewed += session.execute(
-            update(Request)
-            .where(Request.id.in_(request_ids[start:start + ID_CHUNK]), Request.lease_owner == worker_id,
-                   Request.state == RequestState.RUNNING.value)
-            .values(lease_expires_at=now + timedelta(seconds=lease_s))
-        ).rowcount
+        mine = select(Request.id).where(Request.id.in_(request_ids[start:start + ID_CHUNK]),
+                                        Request.lease_owner == worker_id, Request.state == RequestState.RUNNING.value)
+        if session.get_bind().dialect.name == "postgresql":
+            mine = mine.with_for_update(skip_locked=True)
+        renewed += session.execute(update(Request).where(Request.id.in_(mine.scalar_subquery()))
+                                   .values(lease_expires_at=until)).rowcount
     return renewed
 
 
