@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import tempfile
 import uuid
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -33,7 +34,7 @@ from bulkgen.jobspec import JobSpec, build_spec
 from bulkgen.outage import open_store_waiting
 from bulkgen.packing import admission_for
 from bulkgen.prompts import PromptRenderer
-from bulkgen.resolve import DEFAULT_MODEL, resolve_model
+from bulkgen.resolve import default_model, resolve_model
 from bulkgen.store import jobs as job_ops
 from bulkgen.store.db import open_store
 from bulkgen.store.models import unpack_ids
@@ -75,6 +76,13 @@ class Job:
         with open_store(self.db).session_scope(write=True) as session:
             return job_ops.retry_job(session, self.id)
 
+    def run(self, progress: bool = False, **options: Any) -> dict[str, Any]:
+        """As `bulkgen run JOB --db ITS_DB`: this job, in its own database, until nothing of it is pending."""
+        return run([self.id], db=self.db, progress=progress, **options)
+
+
+_SUBMITTED: dict[str, list[int]] = {}  # the jobs this process submitted, by database: run() without db says so
+
 
 def submit(source: str | Path | Any | Sequence[Any], db: str | None = None, **options: Any) -> Job:
     """Submit a job, as `bulkgen submit`. `source`: a path (Parquet, JSONL, CSV, an OpenAI batch file or a job
@@ -84,14 +92,17 @@ def submit(source: str | Path | Any | Sequence[Any], db: str | None = None, **op
     url = db or Paths().default_db_url
     spec = build_spec(path, {k: v for k, v in options.items() if v is not None})
     report = submit_job(open_store(url), spec)
+    _SUBMITTED.setdefault(url, []).append(report.job_id)
     return Job(report.job_id, url)
 
 
-def run(job_ids: Sequence[int] | None = None, db: str | None = None, progress: bool = False,
+def run(job_ids: Sequence[int | Job] | None = None, db: str | None = None, progress: bool = False,
         **options: Any) -> dict[str, Any]:
-    """Run queued jobs (all, or these) until the queue is empty, as `bulkgen run`; returns its summary (as
-    `bulkgen run --json`). Options: the engine's (dtype, kv_cache_memory, max_num_seqs, ...) and the
-    worker's (lease_s, commit_rows, packing, ...)."""
+    """Run queued jobs (all, or these: ids or Jobs) until nothing of them is pending, as `bulkgen run`; returns
+    its summary (as `bulkgen run --json`). The database: `db`, else the one the Jobs given live in, else the
+    default (BULKGEN_DB or bulkgen's data folder). Options: the engine's (dtype, kv_cache_memory, max_num_seqs,
+    ...) and the worker's (lease_s, commit_rows, packing, ...)."""
+    ids, db = _jobs_and_db(job_ids, db)
     engine_keys = {f.name for f in fields(EngineConfig)}
     worker_keys = {f.name for f in fields(WorkerOptions)} - {"job_ids", "progress"}
     unknown = sorted(set(options) - engine_keys - worker_keys)
@@ -99,10 +110,28 @@ def run(job_ids: Sequence[int] | None = None, db: str | None = None, progress: b
         raise ConfigError(f"unknown run option(s) {unknown}; engine: {sorted(engine_keys)}, worker: "
                           f"{sorted(worker_keys)}")
     engine = EngineConfig.from_options({k: v for k, v in options.items() if k in engine_keys})
-    worker = WorkerOptions(job_ids=tuple(job_ids or ()), progress=progress,
-                           **{k: v for k, v in options.items() if k in worker_keys})
-    store = open_store_waiting(db or Paths().default_db_url, worker.db_outage_s)
+    worker = WorkerOptions(job_ids=ids, progress=progress, **{k: v for k, v in options.items() if k in worker_keys})
+    store = open_store_waiting(db, worker.db_outage_s)
     return Worker(store, engine, worker).run().to_dict()
+
+
+def _jobs_and_db(jobs: Sequence[int | Job] | None, db: str | None) -> tuple[tuple[int, ...], str]:
+    """The job ids and the database run() works; a warning where jobs this process submitted lie elsewhere."""
+    jobs = list(jobs or ())
+    homes = {job.db for job in jobs if isinstance(job, Job)}
+    if db is None and len(homes) > 1:
+        raise ConfigError(f"the jobs given live in {len(homes)} databases ({', '.join(sorted(homes))}): run each "
+                          "database's jobs on their own (job.run() runs one job in its database)")
+    if db is not None and homes - {db}:
+        raise ConfigError(f"job(s) given live in {', '.join(sorted(homes - {db}))}, not in db={db!r}")
+    url = db or (homes.pop() if homes else Paths().default_db_url)
+    if db is None and not jobs:
+        elsewhere = {home: ids for home, ids in _SUBMITTED.items() if home != url}
+        if elsewhere:
+            where = "; ".join(f"job(s) {', '.join(map(str, ids))} in {home}" for home, ids in elsewhere.items())
+            warnings.warn(f"bulkgen.run() works the default database {url}, but this process submitted {where}: "
+                          "pass db=..., or call job.run()", stacklevel=3)
+    return tuple(job.id if isinstance(job, Job) else int(job) for job in jobs), url
 
 
 def generate(prompts: Sequence[Any], model: str | None = None, engine: dict[str, Any] | None = None,
@@ -172,7 +201,7 @@ class Generate:
                  engine: dict[str, Any] | None = None, packing: str = DEFAULT_PACKING) -> None:
         from bulkgen.engine.engine import Engine  # here: `import bulkgen` stays free of torch
 
-        self.spec = JobSpec(input=Path("<ray dataset>"), model=model or DEFAULT_MODEL, prompt_column=prompt_column,
+        self.spec = JobSpec(input=Path("<ray dataset>"), model=model or default_model(), prompt_column=prompt_column,
                             messages_column=messages_column, chat=chat, system_prompt=system_prompt,
                             max_new_tokens_column=max_new_tokens_column,
                             sampling=SamplingParams.from_dict({"seed": 0, **(sampling or {})}))

@@ -78,6 +78,11 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def runs_to_budget(self) -> bool:
+        """Whether every output is exactly max_new_tokens long (--ignore-eos, nothing else that ends it)."""
+        return self.ignore_eos and not self.stop and not self.stop_token_ids and self.json_schema is None
+
     def replace(self, **changes: Any) -> SamplingParams:
         return SamplingParams(**{**asdict(self), **changes})
 

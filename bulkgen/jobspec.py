@@ -16,7 +16,7 @@ from bulkgen.config import SamplingParams, parse_json_schema
 from bulkgen.errors import ConfigError
 from bulkgen.io import openai_batch
 from bulkgen.io.rows import INPUT_FORMATS, InputColumns, detect_format
-from bulkgen.resolve import DEFAULT_MODEL
+from bulkgen.resolve import default_model
 
 SAMPLING_KEYS = {f.name for f in fields(SamplingParams)}
 DEFAULT_SEED = 0
@@ -53,7 +53,7 @@ def _is(value: Any, kind: str) -> bool:
 @dataclass(frozen=True)
 class JobSpec:
     input: Path
-    model: str = DEFAULT_MODEL
+    model: str = field(default_factory=default_model)
     name: str | None = None
     prompt_column: str | None = None  # default "prompt" unless messages_column is set
     messages_column: str | None = None
@@ -65,6 +65,9 @@ class JobSpec:
     add_special_tokens: bool | None = None  # None: yes for raw text, no for chat-rendered text
     input_format: str = "auto"  # parquet, jsonl, csv, openai; auto: from the file's name and first bytes
     json_schema_column: str | None = None  # per-row JSON schemas
+    # an OpenAI batch file's job without --model runs the model its first line names, and a line naming another
+    # fails alone; with --model every line runs on it whatever its "model" says (kept for the export's body)
+    model_from_file: bool = False
     sampling: SamplingParams = field(default_factory=lambda: SamplingParams(seed=DEFAULT_SEED))
 
     def __post_init__(self) -> None:
@@ -150,8 +153,9 @@ def load_schema(value: Any) -> str:
 
 
 def _openai_defaults(values: dict[str, Any], sampling: dict[str, Any]) -> None:
-    """An OpenAI batch file's job runs the model its first line names unless --model says, and, as OpenAI
-    does, samples at temperature 1 where neither a line nor --temperature says otherwise."""
+    """An OpenAI batch file's job runs every line on --model whatever the line's "model" says; without --model,
+    on the model its first line names. As OpenAI does, it samples at temperature 1 where neither a line nor
+    --temperature says otherwise."""
     path = Path(values["input"]).expanduser()
     if not path.is_file() or values.get("input_format", "auto") not in ("auto", "openai"):
         return
@@ -161,8 +165,9 @@ def _openai_defaults(values: dict[str, Any], sampling: dict[str, Any]) -> None:
     if "model" not in values:
         named = openai_batch.first_model(path)
         if named is None:
-            raise ConfigError(f"{path.name}: its first line names no model; give --model")
+            raise ConfigError(f"{path.name}: its first line names no model; give --model (every line then runs on it)")
         values["model"] = named
+        values["model_from_file"] = True
     sampling.setdefault("temperature", 1.0)
 
 

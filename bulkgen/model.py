@@ -137,10 +137,19 @@ def chat_prompt(tokenizer: Any, messages: list[dict[str, Any]]) -> str:
         raise ValueError(f"chat template failed: {exc}") from exc
 
 
+# a tokenizer's own files: one of them is there wherever transformers can load one from a directory
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model", "sentencepiece.bpe.model", "tokenizer.tiktoken")
+
+
 def load_tokenizer(model_dir: Path) -> Any:
     """The model's tokenizer: the one way submit, the engine and export load it."""
     from transformers import AutoTokenizer  # here, not at the top: transformers is slow to import
 
+    model_dir = Path(model_dir)
+    if model_dir.is_dir() and not any((model_dir / name).is_file() for name in TOKENIZER_FILES):
+        raise ModelError(f"{model_dir} has no tokenizer (tokenizer.json / tokenizer_config.json): copy the "
+                         "model's tokenizer files beside its config.json")
     try:
         return AutoTokenizer.from_pretrained(model_dir)
     except Exception as exc:  # a tokenizer's files can fail in many ways

@@ -134,7 +134,8 @@ class PromptRenderer:
             try:
                 if line.error:
                     raise ValueError(line.error)
-                settings.append(openai_batch.line_settings(line, spec.sampling, spec.model))
+                settings.append(openai_batch.line_settings(
+                    line, spec.sampling, spec.model if spec.model_from_file else None))
                 text, special = openai_batch.render(line, self._line_template)
                 texts.append(text)
                 specials.append(special)
@@ -160,7 +161,9 @@ class PromptRenderer:
             error = errors[i] or self._check(ids, max_new)
             if error is None and own.get("json_schema") is not None:
                 error = self.schema_error(own["json_schema"])
-            params = {"sampling": own, "openai": {"url": url, "model": spec.model}}
+            named = line.body.get("model")  # what the export's body says: the line's own name, as OpenAI's clients read
+            params = {"sampling": own, "openai": {"url": url,
+                                                  "model": named if isinstance(named, str) and named else spec.model}}
             for sample in range(n):
                 # a line's own seed gives the same samples wherever the line sits in the file
                 seed = request_seed(line_seed, 0, sample) if line_seed is not None \

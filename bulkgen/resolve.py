@@ -27,6 +27,11 @@ from bulkgen.errors import ModelError
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
+def default_model() -> str:
+    """The model a job runs when none is named: BULKGEN_MODEL, else SmolLM2-135M-Instruct."""
+    return os.environ.get("BULKGEN_MODEL") or DEFAULT_MODEL
+
+
 @dataclass(frozen=True)
 class Alias:
     """A model shipped as a GGUF file inside a PyPI package."""

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from bulkgen.config import Paths
-from bulkgen.errors import InputError
+from bulkgen.errors import InputError, ModelError
 from bulkgen.io import openai_batch
 from bulkgen.io.rows import InputFile, detect_format, fingerprint
 from bulkgen.jobspec import JobSpec
@@ -73,7 +73,14 @@ def submit_job(store: Store, spec: JobSpec, paths: Paths | None = None,
                on_rows: Callable[[int], None] | None = None) -> SubmitReport:
     start = time.perf_counter()
     spec, source = open_source(spec)
-    model = resolve_model(spec.model, paths, log)
+    try:
+        model = resolve_model(spec.model, paths, log)
+    except ModelError as exc:
+        if not spec.model_from_file:
+            raise
+        raise ModelError(f"{source.path.name}: its first line names model {spec.model!r}, which bulkgen cannot load: "
+                         "give --model (an alias, a local Hugging Face directory or a .gguf file) and every line runs "
+                         "on it") from exc
     renderer = PromptRenderer(spec, model.path)
     with store.session_scope(write=True) as session:
         job_id = job_ops.new_job(session, name=spec.name, model=spec.model, model_path=str(model.path),

@@ -200,7 +200,8 @@ class Worker:
             if jobs and self._progress is None:
                 totals = q.queue_totals(session, [job.id for job in jobs])
                 self._progress = Progress(totals.num_requests, totals.num_done, totals.budget_left,
-                                          enabled=self.options.progress, log_every_s=self.options.log_every_s)
+                                          enabled=self.options.progress, log_every_s=self.options.log_every_s,
+                                          exact=all(_runs_to_budget(job.spec) for job in jobs))
         return jobs
 
     def _serve(self, jobs: list[Job]) -> int:
@@ -238,6 +239,7 @@ class Worker:
                 self._write(job_ids)  # while the database is away, also its probe
             if not self.outage.down:
                 self._reconcile(engine, pace, job_ids)
+                self._sync_progress(pace, job_ids)
             self._show_outage()
         self.recorder.close()
         self._write(job_ids)
@@ -334,6 +336,17 @@ class Worker:
         if num_unknown:
             log.warning("bulkgen: %d request(s) leased under this worker's id that it did not know of (a claim whose "
                         "answer never came back) given back to the queue", num_unknown)
+
+    def _sync_progress(self, pace: _Pace, job_ids: list[int]) -> None:
+        """Now and then (as often as progress lines, between 1 and 10 s), the jobs' counts as the queue has them:
+        the progress line then shows what every worker committed, this worker's share beside it."""
+        now = time.monotonic()
+        if self._progress is None or not self._progress.enabled or now < pace.next_sync:
+            return
+        pace.next_sync = now + min(max(self.options.log_every_s / 3, 1.0), 10.0)
+        totals = self._db(lambda: self._in_session(q.queue_totals, job_ids), "totals")
+        if totals is not None:
+            self._progress.sync(totals.num_done, totals.num_requests, totals.budget_left)
 
     def _claim_target(self, engine: EngineProtocol, job_ids: list[int]) -> int:
         """How many requests to hold: what the engine can run at once (its KV cache over the pending
@@ -470,6 +483,7 @@ class _Pace:
     next_sizing: float = 0.0  # when to size the target again
     next_claim: float = 0.0  # when to look at the queue again
     next_check: float = 0.0  # when to look for requests lost to a cancel or an expired lease
+    next_sync: float = 0.0  # when to read the job's counts again for the progress line (other workers' commits)
 
 
 def claim_target(max_num_seqs: int, kv_tokens: int, shape: q.QueueShape) -> int:
@@ -484,3 +498,10 @@ def _default_engine(model_path: str, config: EngineConfig, kv_admission: bool = 
     from bulkgen.engine.engine import Engine  # here: the worker imports without torch (a bench queue needs none)
 
     return Engine(model_path, config, admission=admission_for(packing, kv_admission))
+
+
+def _runs_to_budget(spec: dict[str, Any]) -> bool:
+    """Whether every request of a job generates exactly its budget (--ignore-eos and nothing else ends it: no stop,
+    no schema, no line of an OpenAI batch file with its own stop): the progress's ETA is then exact, not "<="."""
+    return SamplingParams.from_dict(spec["sampling"]).runs_to_budget and spec.get("input_format") != "openai" \
+        and spec.get("json_schema_column") is None

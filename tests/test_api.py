@@ -82,3 +82,64 @@ def test_the_in_memory_stage_checks_columns_as_submit_does(db_url: str, tiny_mod
     with pytest.raises(bulkgen.InputError, match="holds int64, not text"):
         stage(pa.table({"question": [1, 2]}))
     assert stage(pa.table({"question": ["a b"]})).column("finish_reason").to_pylist() == ["length"]
+
+
+def test_the_readmes_python_section_runs_as_written(backend: str, tmp_path: Path, tiny_model_dir: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every code block of the README's Python section, pasted as is (the default database, the model named by
+    BULKGEN_MODEL, a prompts.parquet with a question column): every job it submits ends completed."""
+    import re
+    import warnings
+
+    from bulkgen import api
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("\n## Python\n", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert len(blocks) >= 2
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("BULKGEN_DB", raising=False)
+    monkeypatch.setenv("BULKGEN_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("BULKGEN_MODEL", str(tiny_model_dir))
+    monkeypatch.setattr(api, "_SUBMITTED", {})
+    write_parquet(tmp_path / "prompts.parquet", {"question": ["What is a river?", "Name a stone."]})
+    namespace: dict = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the example as written warns of nothing
+        for block in blocks:
+            exec(compile(block, "README.md", "exec"), namespace)
+    jobs = [value for value in namespace.values() if isinstance(value, bulkgen.Job)]
+    assert len(jobs) == 3 and len({job.db for job in jobs}) == 2
+    for job in jobs:
+        assert job.status()["status"] == "completed", job
+        assert None not in job.results().column("output").to_pylist()
+    assert namespace["table"].column("question").to_pylist() == ["What is a river?", "Name a stone."]
+
+    # run() without db, while a job this process submitted lies in another database: it says so
+    with pytest.warns(UserWarning, match=r"works the default database .* job\(s\) 1 in sqlite:///jobs.db"):
+        bulkgen.run()
+
+
+def test_a_one_token_output_has_its_first_token_no_later_than_its_end(backend: str, tmp_path: Path, db_url: str,
+                                                                      tiny_model_dir: Path) -> None:
+    """time_to_first_token_s <= latency_s, from one clock, however short the output."""
+    job = bulkgen.submit(PROMPTS[:2], model=str(tiny_model_dir), max_new_tokens=1, db=db_url)
+    job.run(kv_cache_memory="16MiB")
+    rows = job.results().to_pylist()
+    assert [r["num_output_tokens"] for r in rows] == [1, 1]
+    assert all(0 < r["time_to_first_token_s"] <= r["latency_s"] for r in rows), rows
+
+
+def test_a_model_directory_without_a_tokenizer_says_so(backend: str, tmp_path: Path, db_url: str,
+                                                       tiny_model_dir: Path) -> None:
+    import shutil
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors", "generation_config.json"):
+        if (tiny_model_dir / name).exists():
+            shutil.copy(tiny_model_dir / name, bare / name)
+    data = write_parquet(tmp_path / "in.parquet", {"prompt": ["x"]})
+    result = invoke("submit", data, "--model", bare, expect=2)
+    assert f"{bare} has no tokenizer (tokenizer.json / tokenizer_config.json)" in result.output
+    assert "sentencepiece" not in result.output

@@ -72,6 +72,7 @@ BAD_DATABASES = [
     ("not a database", _not_a_database, "file is not a database; give --db (or BULKGEN_DB) a bulkgen database"),
     ("an unwritable place", lambda d: "sqlite:////proc/bulkgen.db", "unable to open database file"),
     ("a malformed URL", lambda d: "garbage://::x", "cannot read database URL 'garbage://::x'"),
+    ("a missing directory", lambda d: f"sqlite:///{d}/no/such/dir/x.db", "/no/such/dir of database"),
 ]
 
 
@@ -81,6 +82,7 @@ def test_a_bad_database_is_one_line_and_exit_2(case, tmp_path: Path) -> None:
     for command in (("list",), ("status", "1"), ("db", "current")):
         result = invoke(*command, "--db", make_url(tmp_path), expect=2)
         assert message in result.output and result.output.startswith("error: ") and result.output.count("\n") == 1
+    assert not (tmp_path / "no").exists(), "a mistyped path makes no new queue"
 
 
 def test_an_unreachable_or_missing_postgresql_database_is_one_line_naming_the_host() -> None:
@@ -88,3 +90,29 @@ def test_an_unreachable_or_missing_postgresql_database_is_one_line_naming_the_ho
                        ("postgresql+psycopg://postgres@127.0.0.1:5432/no_such_bulkgen_db", "createdb")]:
         result = invoke("list", "--db", url, expect=2)
         assert words in result.output and "Traceback" not in result.output and len(result.output.splitlines()) == 1
+
+
+@pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
+def test_ctrl_c_during_submit_stops_with_nothing_written(tmp_path: Path, db_url: str, tiny_model_dir: Path) -> None:
+    """SIGINT while submit writes a big file: one line, exit 130 (the shell's for Ctrl-C), no job, no request."""
+    import signal
+    import subprocess
+    import time
+
+    from bulkgen.store.models import Job, Request
+    from tests.helpers import count_rows, write_parquet
+    from tests.zygote import bulkgen_process
+
+    data = write_parquet(tmp_path / "big.parquet", {"prompt": [f"row {i} of a long file" for i in range(300_000)]})
+    proc = bulkgen_process(["submit", data, "--model", tiny_model_dir, "--db", db_url], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while count_rows(db_url, Request) == 0:  # submit is writing rows now
+        assert proc.poll() is None and time.monotonic() < deadline, "submit ended before it wrote a row"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "stopped: nothing was written (the job was not made)"
+    assert "Aborted" not in err and "Traceback" not in err
+    assert count_rows(db_url, Job) == 0 and count_rows(db_url, Request) == 0

@@ -7,6 +7,7 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import create_engine, inspect
@@ -27,8 +28,14 @@ def test_migrations_from_empty_to_head_match_the_models(make_db) -> None:
     assert migrate.current_revision(engine) == migrate.head_revision()
 
 
-def test_open_applies_migrations_and_uses_wal(tmp_path: Path) -> None:
-    store = open_store(f"sqlite:///{tmp_path / 'sub' / 'new.db'}")
+def test_open_applies_migrations_and_uses_wal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default database, its folder made on first use (a folder the user names must exist: test_cli)."""
+    from bulkgen.config import Paths
+
+    monkeypatch.delenv("BULKGEN_DB", raising=False)
+    monkeypatch.setenv("BULKGEN_HOME", str(tmp_path / "sub" / "home"))
+    store = open_store(Paths().default_db_url)
+    assert (tmp_path / "sub" / "home" / "bulkgen.db").is_file()
     assert set(inspect(store.engine).get_table_names()) >= {"jobs", "requests", "results", "workers",
                                                             "alembic_version"}
     with store.engine.connect() as conn:

@@ -91,6 +91,25 @@ def test_a_batch_file_runs_and_exports_in_openais_format(tmp_path: Path, db_url:
         "output"][0].as_py()
 
 
+def test_a_file_as_openai_writes_it_runs_every_line_on_the_model_given(tmp_path: Path, db_url: str,
+                                                                       tiny_model_dir: Path) -> None:
+    """Every line names OpenAI's model (or another): --model runs them all; the export keeps each line's name."""
+    from openai.types.chat import ChatCompletion
+
+    lines = [_line(f"r{i}", {"model": name, "messages": [{"role": "user", "content": f"Say {i}"}], "max_tokens": 4,
+                             "temperature": 0})
+             for i, name in enumerate(["gpt-4o-mini", "gpt-4o-mini", "gpt-4.1-nano"])]
+    path = _write(tmp_path / "openai.jsonl", lines)
+    job = invoke_json("submit", path, "--model", tiny_model_dir)
+    assert job["num_failed"] == 0 and job["model_path"] == str(tiny_model_dir.resolve())
+    invoke("run", job["job_id"], "--kv-cache-memory", "16MiB", "--no-progress")
+    out = tmp_path / "out.jsonl"
+    invoke("export", job["job_id"], "--format", "openai", "-o", out)
+    bodies = [ChatCompletion.model_validate(line["response"]["body"]) for line in _read(out)]
+    assert [b.model for b in bodies] == ["gpt-4o-mini", "gpt-4o-mini", "gpt-4.1-nano"]
+    assert all(len(b.choices) == 1 and b.usage.completion_tokens > 0 for b in bodies)
+
+
 def test_a_line_seed_gives_the_same_samples_wherever_the_line_is(tmp_path: Path, db_url: str,
                                                                  tiny_model_dir: Path) -> None:
     model = str(tiny_model_dir)
@@ -113,7 +132,8 @@ def test_a_line_seed_gives_the_same_samples_wherever_the_line_is(tmp_path: Path,
     ([{"custom_id": "a", "method": "POST", "url": "/v1/completions"}], "line 1 has no body"),
     ([_line("a", {"prompt": "x"}, "/v1/completions"), _line("b", {"prompt": "y"}, "/v1/completions"),
       _line("a", {"prompt": "z"}, "/v1/completions")], "line 3 repeats custom_id 'a' (first on line 1)"),
-    ([_line("a", {"prompt": "x", "model": "gpt-4o-mini"}, "/v1/completions")], "unknown model 'gpt-4o-mini'"),
+    ([_line("a", {"prompt": "x", "model": "gpt-4o-mini"}, "/v1/completions")],
+     "first line names model 'gpt-4o-mini', which bulkgen cannot load: give --model"),
 ])
 def test_whole_file_errors_refuse_it_with_nothing_written(tmp_path: Path, db_url: str, tiny_model_dir: Path,
                                                           lines: list, words: str) -> None:

@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import io
 import os
+import re
+import signal
+import subprocess
 import time
 from pathlib import Path
+
+import pytest
 
 from bulkgen.progress import Progress
 from tests.helpers import invoke_json, write_parquet
@@ -54,3 +59,73 @@ def test_a_run_off_a_terminal_says_what_it_starts_with_and_shows_tokens_before_a
     early = [line for line in lines if line.startswith("bulkgen run: 0/6 requests")]
     with_tokens = [line for line in early if " 0 tokens generated" not in line and "ETA -" not in line]
     assert len(with_tokens) >= 299, lines[:8]  # a line each decode step before the last
+    # --ignore-eos: every request runs to its budget, so the ETA is exact, not an upper bound; and the report does
+    # not warn that outputs were cut by max_new_tokens, which the job asked for
+    assert not [line for line in lines if "ETA <=" in line], [line for line in lines if "ETA <=" in line][:3]
+    report = invoke_json("report", job_id, "--json", "--db", db_url)["jobs"][0]
+    assert report["finish_reasons"]["counts"] == {"length": 6} and report["finish_reasons"]["warning"] is None
+
+
+def test_the_job_and_this_workers_share_when_another_worker_runs_it_too() -> None:
+    stream = io.StringIO()
+    progress = Progress(total=40, done=0, budget_left=40 * 10, log_every_s=0.0, stream=stream)
+    progress.generated(5)
+    progress.finished(2, 20, 20)
+    progress.sync(done=18, total=40, budget_left=22 * 10)  # another worker committed 16 of the job's requests
+    line = progress.line()
+    assert "18/40 requests (2 by this worker)" in line, line
+    assert progress.others_done == 16
+
+
+NUM = 12
+
+
+@pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
+def test_a_worker_shows_what_all_workers_committed(tmp_path: Path, db_url: str, tiny_model_dir: Path) -> None:
+    """Worker A claims and is paused (SIGSTOP); worker B runs the rest; A resumes and its progress lines count the
+    job's committed requests, B's included, with A's own share beside them."""
+    from sqlalchemy import func, select
+
+    from bulkgen.store.db import open_store
+    from bulkgen.store.models import Request
+    from tests.zygote import bulkgen_process
+
+    data = write_parquet(tmp_path / "in.parquet", {"prompt": [f"Count to {i}." for i in range(NUM)]})
+    job_id = invoke_json("submit", data, "--model", tiny_model_dir, "--max-new-tokens", 64, "--ignore-eos")["job_id"]
+    flags = ["run", "--db", db_url, "--kv-cache-memory", "4MiB", "--max-num-seqs", "2", "--lease-seconds", "120",
+             "--commit-every", "1", "--commit-interval", "0.1"]
+    store = open_store(db_url)
+
+    def count(*where) -> int:
+        with store.session_scope() as session:
+            return session.scalar(select(func.count()).select_from(Request).where(Request.job_id == job_id, *where))
+
+    def wait(condition, what: str, *procs) -> None:
+        deadline = time.monotonic() + 120
+        while not condition():
+            assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, what
+            time.sleep(0.05)
+
+    a = bulkgen_process([*flags, "--log-every", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    b = None
+    try:
+        wait(lambda: count(Request.lease_owner.like(f"%:{a.pid}:%")) > 0, "worker A claimed nothing", a)
+        a.send_signal(signal.SIGSTOP)
+        held = count(Request.lease_owner.like(f"%:{a.pid}:%"))
+        b = bulkgen_process([*flags, "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        wait(lambda: count(Request.state == "completed") >= NUM - held, "worker B did not run the rest", b)
+        a.send_signal(signal.SIGCONT)
+        _, a_err = a.communicate(timeout=120)
+        _, b_err = b.communicate(timeout=120)
+    finally:
+        for proc in (a, b):
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)
+                proc.kill()
+                proc.wait()
+    assert a.returncode == 0 and b.returncode == 0, a_err + b_err
+    shares = [tuple(map(int, m.groups())) for m in re.finditer(r"run: (\d+)/12 requests \((\d+) by this worker\)",
+                                                               a_err)]
+    assert shares, a_err[-2000:]
+    assert all(done >= NUM - held + mine for done, mine in shares), shares  # B's commits counted, and A's own
+    assert [done for done, _ in shares] == sorted(done for done, _ in shares)

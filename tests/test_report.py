@@ -130,6 +130,12 @@ def test_failures_grouped_by_reason_with_the_retry_command(jobs: dict) -> None:
     assert len(too_long) == 1 and too_long[0]["count"] > 1  # "has 50 tokens" and "has 61 tokens": one reason
     assert len(too_long[0]["examples"]) == min(3, too_long[0]["count"])
     assert failures["retry"] == f"bulkgen retry {jobs['plain']}"
+    # refused by the run (its --max-model-len): a retry runs them again; refused at submit for their input: not
+    assert too_long[0]["retryable"] and failures["num_retryable"] == too_long[0]["count"]
+    assert not any(g["retryable"] for g in failures["groups"] if "null" in g["reason"] or "empty" in g["reason"])
+    status = invoke("status", jobs["plain"], "--db", jobs["db"]).output
+    assert f"{too_long[0]['count']} can run again: `bulkgen retry {jobs['plain']}`" in status
+    assert "refused at submit for their input" in status
     # the tiny random model never says EOS: every output hits max_new_tokens, and the page says so
     assert figures["finish_reasons"]["length_share"] > 0.1 and "give the budget room" in \
         figures["finish_reasons"]["warning"]
@@ -260,6 +266,12 @@ def test_report_refuses_what_it_cannot_do(jobs: dict, tmp_path: Path) -> None:
     both = invoke("report", jobs["plain"], "--serve", "-o", tmp_path / "x.html", "--db", jobs["db"], expect=2)
     assert "--serve" in both.output and not (tmp_path / "x.html").exists()
     invoke("report", "-1", "--db", jobs["db"], expect=2)
+    # a page that cannot be written: one line, exit 2, before anything is built
+    nowhere = invoke("report", jobs["plain"], "-o", tmp_path / "missing" / "r.html", "--db", jobs["db"], expect=2)
+    assert "the directory" in nowhere.output and "does not exist" in nowhere.output
+    assert "Traceback" not in nowhere.output and len(nowhere.output.strip().splitlines()) == 1
+    unwritable = invoke("report", jobs["plain"], "-o", "/proc/r.html", "--db", jobs["db"], expect=2)
+    assert "cannot write in /proc" in unwritable.output and "Traceback" not in unwritable.output
 
 
 def test_without_job_ids_the_unfinished_jobs_or_else_the_newest(jobs: dict, tmp_path: Path,
@@ -270,6 +282,20 @@ def test_without_job_ids_the_unfinished_jobs_or_else_the_newest(jobs: dict, tmp_
     data = write_parquet(tmp_path / "in.parquet", {"prompt": ["a b", "c d"]})
     queued = [invoke_json("submit", data, "--model", tiny_model_dir, "--db", db)["job_id"] for _ in range(2)]
     assert [j["id"] for j in report_json(db)["jobs"]] == queued
+
+
+
+def test_the_settings_shown_are_the_ones_the_job_has(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """A budget from a column, a system prompt, own ids: the report shows them, not an unused default budget."""
+    db = f"sqlite:///{tmp_path / 'settings.db'}"
+    data = write_parquet(tmp_path / "in.parquet", {"q": ["a b", "c d"], "budget": [3, 5], "key": ["x", "y"]})
+    job_id = invoke_json("submit", data, "--model", tiny_model_dir, "--db", db, "--prompt-column", "q", "--chat",
+                         "--system-prompt", "Be brief.", "--id-column", "key", "--max-new-tokens-column",
+                         "budget")["job_id"]
+    settings = report_json(db, job_id)["jobs"][0]["settings"]
+    assert settings["max_new_tokens_column"] == "budget" and settings["id_column"] == "key"
+    assert settings["system_prompt"] == "Be brief." and settings["prompt_column"] == "q" and settings["chat"]
+    assert settings["sampling"]["max_new_tokens"] == "from column budget (128 where a cell is empty)"
 
 
 def test_a_job_not_run_yet_and_a_job_without_samples(jobs: dict, tmp_path: Path, tiny_model_dir: Path) -> None:

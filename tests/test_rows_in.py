@@ -57,6 +57,21 @@ def test_jsonl_and_csv_rows_give_what_the_same_parquet_rows_give(tmp_path: Path,
         assert got[1]["text"] == "123" and got[1]["status"] == "completed"  # a number-like CSV prompt is text
         assert got[2]["error"] == "prompt is null"
 
+    # and out as CSV: read back by Python's own csv module, the same rows (lists as JSON text)
+    import csv
+    import json
+
+    job_id = invoke_json("list", "--json")[-1]["id"]  # the Parquet job
+    out = tmp_path / "out.csv"
+    invoke("export", job_id, "-o", out, "--include-token-ids")
+    with open(out, newline="", encoding="utf-8") as handle:
+        read = list(csv.DictReader(handle))
+    assert [int(r["row"]) for r in read] == [r["row"] for r in want]
+    assert [r["output"] or None for r in read] == [r["output"] if r["output"] != "" else None for r in want]
+    assert [r["status"] for r in read] == [r["status"] for r in want]
+    completed = [r for r in read if r["status"] == "completed"]
+    assert all(len(json.loads(r["output_token_ids"])) == int(r["num_output_tokens"]) for r in completed)
+
 
 def test_a_jsonl_key_first_seen_late_is_left_out_and_a_changed_type_refuses_the_file(
         tmp_path: Path, db_url: str, tiny_model_dir: Path) -> None:
@@ -75,7 +90,10 @@ def test_bad_row_files_are_refused_before_anything_is_written(tmp_path: Path, db
         (_jsonl(tmp_path / "a.jsonl", [{"question": "x"}]), [], "has no column 'prompt'"),
         (_csv(tmp_path / "b.csv", [{"question": "x"}]), [], "its columns are: question"),
         (tmp_path / "empty.jsonl", [], "has no rows"),
-        (tmp_path / "broken.jsonl", [], "not a readable JSONL file"),
+        (tmp_path / "broken.jsonl", [], "broken.jsonl line 2 is not JSON"),
+        (tmp_path / "comma.jsonl", [], 'comma.jsonl line 3 is not JSON (Expecting property name enclosed in double '
+                                       'quotes at column 20): \'{"prompt": "three",}\''),
+        (tmp_path / "latin1.csv", [], "latin1.csv line 3 is not UTF-8 text (byte 0xe9 at column 4)"),
         (tmp_path / "notes.txt", [], "cannot tell the format of notes.txt"),
         (_csv(tmp_path / "c.csv", [{"prompt": "x", "n": "many"}]), ["--max-new-tokens-column", "n"],
          "not a readable CSV file"),
@@ -83,6 +101,8 @@ def test_bad_row_files_are_refused_before_anything_is_written(tmp_path: Path, db
     (tmp_path / "empty.jsonl").write_text("")
     (tmp_path / "broken.jsonl").write_text('{"prompt": "fine"}\n{"prompt": \n')
     (tmp_path / "notes.txt").write_text("just some text\n")
+    (tmp_path / "comma.jsonl").write_text('{"prompt": "one"}\n{"prompt": "two"}\n{"prompt": "three",}\n')
+    (tmp_path / "latin1.csv").write_bytes("prompt\nfine\ncaf\u00e9 au lait\n".encode("latin-1"))
     for path, flags, words in cases:
         result = invoke("submit", path, *flags, "--model", tiny_model_dir, expect=2)
         assert words in result.output, (path.name, result.output)

@@ -208,16 +208,22 @@ def test_categorical_prompts_are_text(tmp_path: Path, db_url: str, tiny_short_mo
 
 
 def test_cancel_and_retry(tmp_path: Path, db_url: str, tiny_short_model_dir: Path) -> None:
-    data = write_parquet(tmp_path / "r.parquet", {"prompt": ["ok", None, "ok too"]})
+    data = write_parquet(tmp_path / "r.parquet", {"prompt": ["ok", None, "ok too", "far too long " * 40]})
     job_id = invoke_json("submit", data, "--model", tiny_short_model_dir, "--max-new-tokens", 8)["job_id"]
-    # retry re-queues only requests that can run (a null prompt stays failed)
-    assert invoke_json("retry", job_id)["requeued"] == 0
+    # retry re-queues only requests a run can change: a null prompt, or one too long for the model, stays failed
+    # (refused at submit for its input), and status and retry say so rather than point to a retry
+    assert invoke_json("status", job_id)["num_retryable"] == 0
+    assert "2 refused at submit for their input" in invoke("status", job_id).output
+    assert "bulkgen retry" not in invoke("status", job_id).output
+    said = invoke("retry", job_id).output
+    assert "0 requests back" in said and "2 failed request(s) stay failed: refused at submit" in said
+    assert invoke_json("retry", job_id) == {"job_id": job_id, "requeued": 0, "not_retried": 2}
     assert invoke_json("cancel", job_id)["cancelled"] == 2
     status = invoke_json("status", job_id)
     assert status["status"] == "cancelled" and status["counts"]["cancelled"] == 2
     assert invoke_json("retry", job_id)["requeued"] == 2
     status = invoke_json("status", job_id)
-    assert status["status"] == "queued" and status["counts"]["pending"] == 2 and status["counts"]["failed"] == 1
+    assert status["status"] == "queued" and status["counts"]["pending"] == 2 and status["counts"]["failed"] == 2
     store = open_store(db_url)
     with store.session_scope(write=True) as session:
         req = session.query(Request).filter_by(job_id=job_id, row=0).one()

@@ -174,7 +174,7 @@ def test_export_checks_its_input(tmp_path: Path, db_url: str, tiny_model_dir: Pa
     assert not (tmp_path / "x.parquet").exists()
     invoke("export", job_id, "-o", tmp_path / "x.parquet", "--input", moved)
     assert pq.read_table(tmp_path / "x.parquet").column("key").to_pylist() == ["k0", "k1", "k2"]
-    assert "name it .parquet or .jsonl" in invoke("export", job_id, "-o", tmp_path / "x.csv", expect=2).output
+    assert "name it .parquet, .jsonl or .csv" in invoke("export", job_id, "-o", tmp_path / "x.txt", expect=2).output
 
 
 def test_export_files_get_the_umask_mode_and_bad_places_are_refused(tmp_path: Path, db_url: str,

@@ -31,7 +31,7 @@ from bulkgen.cli.options import CONTEXT, BulkgenGroup, engine_config, engine_opt
 from bulkgen.config import EngineConfig, SamplingParams
 from bulkgen.jobspec import load_schema
 from bulkgen.model import ModelShape, load_tokenizer, read_config
-from bulkgen.resolve import DEFAULT_MODEL, resolve_model
+from bulkgen.resolve import default_model, resolve_model
 from bulkgen.store.packings import DEFAULT_PACKING, PACKINGS
 
 
@@ -165,7 +165,7 @@ def compare(workload: Path | None, synthetic: int | None, suite: str | None, sui
     if make_workload is not None:
         _make_workload(make_workload, workload, seed, model)
         return
-    resolved = resolve_model(model or DEFAULT_MODEL, log=lambda m: click.echo(m, err=True))
+    resolved = resolve_model(model or default_model(), log=lambda m: click.echo(m, err=True))
     tokenizer = load_tokenizer(resolved.path)
     if workload is not None:
         if not workload.is_file():
@@ -256,7 +256,7 @@ def _make_workload(num_requests: int, workload: Path | None, seed: int, model: s
     if workload is None or num_requests < 1:
         raise click.UsageError("--make-workload N needs N >= 1 and the file to write: bulkgen bench --make-workload "
                                "256 w256.parquet")
-    resolved = resolve_model(model or DEFAULT_MODEL, log=lambda m: click.echo(m, err=True))
+    resolved = resolve_model(model or default_model(), log=lambda m: click.echo(m, err=True))
     counts = wl.make_workload(load_tokenizer(resolved.path), num_requests, workload, seed)
     click.echo(f"wrote {workload}: {counts['num_requests']} requests, {counts['num_prompt_tokens']:,} prompt "
                f"tokens, {counts['num_output_tokens']:,} output tokens (seed {seed}, model {resolved.name})")

@@ -1,4 +1,4 @@
-"""`bulkgen export`: a job's results in input order, as Parquet, JSONL or an OpenAI batch output file."""
+"""`bulkgen export`: a job's results in input order, as Parquet, JSONL, CSV or an OpenAI batch output file."""
 
 from __future__ import annotations
 
@@ -14,15 +14,15 @@ from bulkgen.store.db import open_store
 @click.command(cls=JobCommand, context_settings=CONTEXT)
 @click.argument("job_id", type=JOB_ID)
 @click.option("-o", "--output", "output", type=click.Path(path_type=Path), required=True,
-              help="File to write: .parquet or .jsonl.")
+              help="File to write: .parquet, .jsonl or .csv.")
 @click.option("--include-inputs/--no-include-inputs", default=True, show_default=True,
               help="Join the input file's columns to each row.")
 @click.option("--input", "input_path", type=click.Path(path_type=Path),
               help="Where the input file is now, if it moved since submit.")
 @click.option("--include-token-ids", is_flag=True, help="Add the output token ids (output_token_ids column).")
-@click.option("--format", "fmt", type=click.Choice(("auto", "parquet", "jsonl", "openai")), default="auto",
-              show_default=True, help="auto: by the output's name (.parquet, .jsonl); openai: OpenAI's batch output "
-                                      "format, a line per input line.")
+@click.option("--format", "fmt", type=click.Choice(("auto", "parquet", "jsonl", "csv", "openai")), default="auto",
+              show_default=True, help="auto: by the output's name (.parquet, .jsonl, .csv: lists as JSON text); "
+                                      "openai: OpenAI's batch output format, a line per input line.")
 @click.option("--errors", "errors_path", type=click.Path(path_type=Path),
               help="With --format openai: failed lines go to this file instead (as OpenAI's error file).")
 @json_option

@@ -23,7 +23,8 @@ from bulkgen.submission import submit_job
 @click.command(context_settings=CONTEXT)
 @click.argument("source", type=click.Path(path_type=Path))
 @click.option("--name", help="A name for the job.")
-@click.option("--model", help="Alias, .gguf file or Hugging Face directory. Default: smollm2-135m-instruct.")
+@click.option("--model", help="Alias, .gguf file or Hugging Face directory. Default: BULKGEN_MODEL, else "
+                                       "smollm2-135m-instruct.")
 @click.option("--prompt-column", help="Column of raw prompt text (default: prompt).")
 @click.option("--messages-column", help="Column of chat messages: a list of {role, content}.")
 @click.option("--id-column", help="Column of your own row ids, kept in the results.")
@@ -157,6 +158,16 @@ def _workers_line(workers: list[dict[str, Any]]) -> str:
         f"\n  {w['worker_id']}: {w['num_requests']} request(s)" + said[w["state"]].format(**w) for w in workers)
 
 
+def failed_line(summary: dict[str, Any]) -> str:
+    """What can be done about the failed: `retry` for those a run can change, the input for the others."""
+    failed, retryable = summary["counts"]["failed"], summary["num_retryable"]
+    parts = [f"{retryable:,} can run again: `bulkgen retry {summary['id']}`"] if retryable else []
+    if failed > retryable:
+        parts.append(f"{failed - retryable:,} refused at submit for their input (fix those rows and submit them "
+                     "again: retrying cannot change them)")
+    return f"failed: {'; '.join(parts)}"
+
+
 def _status_lines(summary: dict[str, Any], errors: list[tuple[int, int, str]]) -> list[str]:
     c = summary["counts"]
     rate = f" · {summary['output_tok_per_s']} output tok/s" if summary["output_tok_per_s"] is not None else ""
@@ -166,6 +177,8 @@ def _status_lines(summary: dict[str, Any], errors: list[tuple[int, int, str]]) -
              f"requests: {summary['total']} total · {c['completed']} completed · {c['failed']} failed · "
              f"{c['pending']} pending · {c['running']} running · {c['cancelled']} cancelled",
              f"tokens: {summary['num_prompt_tokens']:,} prompt · {summary['num_output_tokens']:,} output{rate}{eta}"]
+    if c["failed"] and "num_retryable" in summary:
+        lines.append(failed_line(summary))
     if summary.get("workers"):
         lines.append(_workers_line(summary["workers"]))
     return lines + [f"  failed row {row}" + (f" sample {sample}" if sample else "") + f": {error}"
@@ -215,8 +228,7 @@ def _watch_lines(summary: dict[str, Any], live: dict[str, Any], errors: list[tup
     lines = _status_lines(summary, [])
     lines[1:1] = [f"[{bar}] {100 * done / total:.0f}% · {rate}{eta}"]
     if c["failed"]:
-        lines += [f"failed so far: {c['failed']} (`bulkgen report {summary['id']}` groups them; "
-                  f"`bulkgen retry {summary['id']}` retries)"]
+        lines += [f"failed so far: {c['failed']} (`bulkgen report {summary['id']}` groups them)"]
         lines += [f"  row {row}" + (f" sample {sample}" if sample else "") + f": {error}"
                   for row, sample, error in errors]
     return lines + ["(watching: Ctrl-C stops watching; the job goes on)"]
@@ -266,11 +278,15 @@ def retry(job_id: int, as_json: bool, db_url: str) -> None:
     store = open_store(db_url)
     with store.session_scope(write=True) as session:
         num_requeued = job_ops.retry_job(session, job_id)
+        num_left = job_ops.describe_jobs(session, [job_ops.get_job(session, job_id)])[0]["counts"]["failed"]
     if as_json:
-        emit_json({"job_id": job_id, "requeued": num_requeued})
-    else:
-        click.echo(f"job {job_id}: {num_requeued} requests back in the queue" +
-                   ("; next: bulkgen run" if num_requeued else ""))
+        emit_json({"job_id": job_id, "requeued": num_requeued, "not_retried": num_left})
+        return
+    left = (f"; {num_left:,} failed request(s) stay failed: refused at submit for their input (a null or empty "
+            "prompt, one too long for the model), which retrying cannot change; fix those rows and submit them "
+            "again") if num_left else ""
+    click.echo(f"job {job_id}: {num_requeued} requests back in the queue" +
+               (f"; next: bulkgen run {job_id}" if num_requeued else "") + left)
 
 
 class RowProgress:

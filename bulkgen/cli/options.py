@@ -47,6 +47,13 @@ class JobCommand(click.Command):
             raise
 
 
+# what a command interrupted by Ctrl-C leaves behind (submit removes its half-made job; export writes a temporary
+# file renamed onto the output only when complete)
+INTERRUPTED = {"submit": ": nothing was written (the job was not made)",
+               "export": ": nothing was written (the output file is as it was)",
+               "report": ": nothing was written"}
+
+
 class BulkgenGroup(click.Group):
     """A group whose commands' BulkgenErrors become `error: ...` and the error's exit code. `lazy` names
     commands by "module:attribute", imported when the command runs or shows its help: a command loads its
@@ -71,6 +78,9 @@ class BulkgenGroup(click.Group):
         except BulkgenError as exc:
             click.echo(f"error: {exc}", err=True)
             ctx.exit(exc.exit_code)
+        except KeyboardInterrupt:  # Ctrl-C: what it left, in one line, and the shell's exit code for SIGINT
+            click.echo(f"stopped{INTERRUPTED.get(ctx.invoked_subcommand or '', '')}", err=True)
+            ctx.exit(130)
 
 
 def db_option(func: Callable) -> Callable:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import click
 
 from bulkgen.cli.options import CONTEXT, JOB_ID, JobCommand, db_option, emit_json, json_option
 from bulkgen.errors import ConfigError
+from bulkgen.io.export import temporary_output
 from bulkgen.report.figures import NUM_EXAMPLES, build_report, current_jobs
 from bulkgen.store.db import open_store
 
@@ -49,16 +51,24 @@ def report(job_ids: tuple[int, ...], output: Path | None, serve: bool, host: str
             raise ConfigError("--serve serves the page (its figures at /report.json): leave out -o and --json")
         _serve(store, ids, host, port, refresh_s, num_examples)
         return
-    figures = build_report(store, ids, num_examples)
-    if as_json:
-        emit_json(figures)
-        if output is None:
+    path, tmp = None, None
+    if output is not None or not as_json:  # where the page goes is checked before anything is built
+        path, tmp = temporary_output(output or Path(f"bulkgen-report-{'-'.join(map(str, ids))}.html"),
+                                     "write the report", "report.html")
+    try:
+        figures = build_report(store, ids, num_examples)
+        if as_json:
+            emit_json(figures)
+        if tmp is None:
             return
-    from bulkgen.report.page import render  # matplotlib, only for the page
+        from bulkgen.report.page import render  # matplotlib, only for the page
 
-    path = output or Path(f"bulkgen-report-{'-'.join(map(str, ids))}.html")
-    page = render(figures)
-    path.write_text(page, encoding="utf-8")
+        page = render(figures)
+        Path(tmp).write_text(page, encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
     if not as_json:
         click.echo(f"report of job{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids))}: {path} "
                    f"({len(page) / 1024:.0f} KiB, opens offline)")

@@ -146,14 +146,15 @@ class Engine:
         result = sampler.sample(logits, sampled_seqs, self.eos_token_ids, self.runner.ops.argmax,
                                 self.runner.ops.candidates)
         finished = []
+        sampled_at = time.monotonic()  # a request's first token and its end read one clock: TTFT <= latency
         for i, seq in enumerate(sampled_seqs):
             if result.errors[i] is not None:
                 seq.error = result.errors[i]
                 status = SequenceStatus.FINISHED_ERROR
             else:
-                status = self._append(seq, result.token_ids[i], result.logprobs[i])
+                status = self._append(seq, result.token_ids[i], result.logprobs[i], sampled_at)
             if status is not None:
-                seq.finish_time = now
+                seq.finish_time = sampled_at
                 self.scheduler.finish(seq, status)
                 finished.append(self._finish_output(seq))
         self.stats.num_steps += 1
@@ -165,9 +166,9 @@ class Engine:
                                                sum(s.seq.num_computed_tokens for s in scheduled.scheduled)))
         return finished
 
-    def _append(self, seq: Sequence, token: int, logprob: Any) -> SequenceStatus | None:
-        """Add a sampled token; return the finish status if the sequence is done."""
-        seq.append_token(token)
+    def _append(self, seq: Sequence, token: int, logprob: Any, at: float) -> SequenceStatus | None:
+        """Add a sampled token (sampled at `at`); return the finish status if the sequence is done."""
+        seq.append_token(token, at)
         self.stats.num_output_tokens += 1
         if seq.logprobs is not None:
             seq.logprobs.append(logprob)

@@ -100,7 +100,8 @@ class Sequence:
     def finish_reason(self) -> str | None:
         return FINISH_REASONS.get(self.status)
 
-    def append_token(self, token_id: int) -> None:
+    def append_token(self, token_id: int, at: float | None = None) -> None:
+        """A sampled token; `at`: when it was sampled (the clock the finish time is read from too)."""
         self.token_ids.append(token_id)
         if self.first_token_time is None:
-            self.first_token_time = time.monotonic()
+            self.first_token_time = time.monotonic() if at is None else at

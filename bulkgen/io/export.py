@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
 
 from bulkgen.errors import InputError
@@ -26,7 +27,7 @@ from bulkgen.store.db import Store
 from bulkgen.store.jobs import get_job, results_page
 from bulkgen.store.models import Job, JobStatus, RequestState, unpack_ids
 
-FORMATS = {".parquet": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl"}
+FORMATS = {".parquet": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv"}
 PAGE_ROWS = 4096
 
 RESULT_SCHEMA = pa.schema([
@@ -62,14 +63,14 @@ def export_job(store: Store, job_id: int, out: Path, include_inputs: bool = True
                include_token_ids: bool = False, fmt: str | None = None) -> ExportReport:
     fmt = fmt or FORMATS.get(out.suffix.lower())
     if fmt is None:
-        raise InputError(f"cannot tell the export format from {out.name!r}: name it .parquet or .jsonl")
+        raise InputError(f"cannot tell the export format from {out.name!r}: name it .parquet, .jsonl or .csv")
     with store.session_scope() as session:
         job = get_job(session, job_id)
         session.expunge(job)
     openai_input = (job.spec.get("input_format") or "") == "openai"
     source = _open_input(job, input_path) if include_inputs and not openai_input else None
-    out, tmp_name = _temporary(out)
-    writer = _ParquetSink(Path(tmp_name)) if fmt == "parquet" else _JsonlSink(Path(tmp_name))
+    out, tmp_name = temporary_output(out)
+    writer = {"parquet": _ParquetSink, "jsonl": _JsonlSink, "csv": _CsvSink}[fmt](Path(tmp_name))
     counts = {"rows": 0, "completed": 0, "failed": 0}
     try:
         for table in _tables(store, job, source, include_token_ids):
@@ -88,18 +89,19 @@ def export_job(store: Store, job_id: int, out: Path, include_inputs: bool = True
     return ExportReport(out, counts["rows"], counts["completed"], counts["failed"], partial)
 
 
-def _temporary(out: Path) -> tuple[Path, str]:
-    """The resolved output path and a temporary file beside it (renamed onto it when complete)."""
+def temporary_output(out: Path, what: str = "export", example: str = "results.parquet") -> tuple[Path, str]:
+    """The resolved output path and a temporary file beside it (renamed onto it when complete); InputError in
+    one line where it cannot be written (`what`: the verb the message uses)."""
     out = out.expanduser().resolve()
     if out.is_dir():
-        raise InputError(f"cannot export to {out}: it is a directory; give a file in it, such as "
-                         f"{out / 'results.parquet'}")
+        raise InputError(f"cannot {what} to {out}: it is a directory; give a file in it, such as {out / example}")
     if not out.parent.is_dir():
-        raise InputError(f"cannot export to {out}: the directory {out.parent} does not exist; create it first")
+        raise InputError(f"cannot {what} to {out}: the directory {out.parent} does not exist; create it first")
     try:
         handle, tmp_name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
     except OSError as exc:
-        raise InputError(f"cannot write in {out.parent} ({exc.strerror}): export to a directory you can write") from exc
+        raise InputError(f"cannot write in {out.parent} ({exc.strerror}): {what} to a directory you can "
+                         "write") from exc
     os.close(handle)
     os.chmod(tmp_name, 0o666 & ~_umask())  # mkstemp makes it 0600; the export gets what open() would give
     return out, tmp_name
@@ -111,7 +113,7 @@ def export_openai(store: Store, job_id: int, out: Path, errors: Path | None = No
     with store.session_scope() as session:
         job = get_job(session, job_id)
         session.expunge(job)
-    targets = [_temporary(out)] + ([_temporary(errors)] if errors is not None else [])
+    targets = [temporary_output(out)] + ([temporary_output(errors)] if errors is not None else [])
     handles = [open(tmp, "w", encoding="utf-8") for _, tmp in targets]
     main, failed_to = handles[0], handles[-1]
     counts = {"rows": 0, "completed": 0, "failed": 0}
@@ -271,3 +273,30 @@ class _JsonlSink:
         if not self.handle.closed:
             self.handle.close()
 
+
+class _CsvSink:
+    """A header line, then a line per row; nested values (a messages column, token ids, logprobs) as JSON text,
+    as CSV has no lists."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.writer: pa_csv.CSVWriter | None = None
+        self.schema: pa.Schema | None = None
+
+    def write(self, table: pa.Table) -> None:
+        for i, field in enumerate(table.schema):
+            if pa.types.is_nested(field.type):
+                text = pa.array([None if v is None else json.dumps(v, ensure_ascii=False, default=str)
+                                 for v in table.column(i).to_pylist()], pa.string())
+                table = table.set_column(i, pa.field(field.name, pa.string()), text)
+        if self.writer is None:
+            self.schema = table.schema
+            self.writer = pa_csv.CSVWriter(str(self.path), self.schema)
+        self.writer.write_table(table.cast(self.schema))
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+        elif not self.path.exists() or self.path.stat().st_size == 0:
+            pa_csv.write_csv(RESULT_SCHEMA.empty_table(), str(self.path))

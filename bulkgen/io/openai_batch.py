@@ -89,9 +89,11 @@ def first_model(path: Path) -> str | None:
     return None
 
 
-def line_settings(line: BatchLine, job_sampling: SamplingParams, job_model: str) -> tuple[dict[str, Any], int, str]:
+def line_settings(line: BatchLine, job_sampling: SamplingParams, job_model: str | None
+                  ) -> tuple[dict[str, Any], int, str]:
     """A line's own sampling settings (over the job's), its n and its prompt source; ValueError with the
-    reason where the line cannot run."""
+    reason where the line cannot run. `job_model`: the model a line must name (the job's model came from the
+    file's first line); None when --model runs every line whatever it names."""
     body = line.body
     unknown = sorted(set(body) - IGNORED - {"model", "messages", "prompt", "max_tokens", "max_completion_tokens",
                                             "temperature", "top_p", "n", "stop", "seed", "logprobs",
@@ -100,9 +102,10 @@ def line_settings(line: BatchLine, job_sampling: SamplingParams, job_model: str)
                                             "function_call"})
     if unknown:
         raise ValueError(f"body field(s) {', '.join(unknown)} are not supported")
-    if body.get("model") not in (None, job_model):
-        raise ValueError(f"model {body.get('model')!r} is not this job's model {job_model!r}: a batch file runs one "
-                         "model (submit the other lines as their own job)")
+    if job_model is not None and body.get("model") not in (None, job_model):
+        raise ValueError(f"model {body.get('model')!r} is not this job's model {job_model!r} (the first line's): "
+                         "give --model at submit to run every line on one model, or submit these lines as their "
+                         "own job")
     if body.get("stream"):
         raise ValueError("stream is not supported in a batch")
     if body.get("tools") or body.get("functions"):

@@ -95,6 +95,8 @@ class RowFile:
             raise InputError(self._unreadable(exc)) from exc
 
     def _unreadable(self, exc: BaseException) -> str:
+        if self.format != "parquet" and (where := _first_bad_line(self.path, self.format)) is not None:
+            return where
         text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         advice = {"parquet": "convert it, e.g. with pandas.read_csv(...).to_parquet(...)",
                   "jsonl": "each line must be one JSON object with the same keys and value types",
@@ -141,6 +143,29 @@ class RowFile:
                     yield batch.slice(start, batch_rows)
         except (pa.ArrowInvalid, OSError) as exc:
             raise InputError(self._unreadable(exc)) from exc
+
+
+def _first_bad_line(path: Path, fmt: str) -> str | None:
+    """Where a JSONL or CSV file that failed to read goes wrong, said as its line number and start (the file is
+    read again line by line: only on the way to an error), or None where every line looks right."""
+    with open(path, "rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                return (f"{path.name} line {number} is not UTF-8 text (byte 0x{raw[exc.start]:02x} at column "
+                        f"{exc.start + 1}): convert the file to UTF-8, e.g. iconv -f latin1 -t utf-8")
+            if fmt != "jsonl" or not line.strip():
+                continue
+            start = line.strip()[:60] + ("..." if len(line.strip()) > 60 else "")
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                return (f"{path.name} line {number} is not JSON ({exc.msg} at column {exc.colno}): {start!r}; "
+                        "each line must be one JSON object")
+            if not isinstance(obj, dict):
+                return f"{path.name} line {number} is not a JSON object: {start!r}; each line must be one JSON object"
+    return None
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,7 @@ def job_report(session: Session, job_id: int, num_examples: int = NUM_EXAMPLES) 
         "throughput": rates,
         "engine": engine_series(samples, rates),
         "distributions": distributions(outcomes),
-        "finish_reasons": finish_reasons(outcomes),
+        "finish_reasons": finish_reasons(outcomes, asked_for_length=bool(job.spec["sampling"].get("ignore_eos"))),
         "failures": failure_groups(reads.failures(session, job_id), job_id),
         "json_schema": schema_validity(session, job_id, job.spec.get("sampling", {}).get("json_schema"),
                                        job.spec.get("json_schema_column")),
@@ -73,15 +73,25 @@ def job_report(session: Session, job_id: int, num_examples: int = NUM_EXAMPLES) 
 
 # ---------------------------------------------------------------------------------------------- settings, runs
 
+SPEC_SETTINGS = ("input_format", "n", "chat", "system_prompt", "prompt_column", "messages_column", "id_column",
+                 "max_new_tokens_column", "json_schema_column", "add_special_tokens")  # as the job has them
+
+
 def _settings(job: Any) -> dict[str, Any]:
+    """The settings the job has: what submit was given and the defaults that apply (a budget taken from a column
+    or from each line of an OpenAI batch file says so, and what a row without one gets)."""
     spec = job.spec
     sampling = dict(spec.get("sampling") or {})
     if sampling.get("json_schema"):
         sampling["json_schema"] = "(set: see the JSON schema section)"
+    budget = sampling.get("max_new_tokens")
+    if spec.get("max_new_tokens_column"):
+        sampling["max_new_tokens"] = f"from column {spec['max_new_tokens_column']} ({budget} where a cell is empty)"
+    elif spec.get("input_format") == "openai":
+        sampling["max_new_tokens"] = f"each line's max_tokens ({budget} where a line has none)"
+    own = {key: spec.get(key) for key in SPEC_SETTINGS if spec.get(key) not in (None, False)}
     return {"model": job.model, "model_path": job.model_path, "input": job.input_path,
-            "input_columns": job.input_columns, "n": spec.get("n", 1), "chat": spec.get("chat"),
-            "prompt_column": spec.get("prompt_column"), "messages_column": spec.get("messages_column"),
-            "json_schema_column": spec.get("json_schema_column"), "sampling": sampling}
+            "input_columns": job.input_columns, **own, "sampling": sampling}
 
 
 def _runs(session: Session, job_id: int) -> list[dict[str, Any]]:
@@ -234,9 +244,9 @@ def describe(values: np.ndarray, integer: bool) -> dict[str, Any]:
             "histogram": {"edges": _round(edges, 4), "counts": [int(c) for c in counts]}}
 
 
-def finish_reasons(outcomes: list[Any]) -> dict[str, Any]:
+def finish_reasons(outcomes: list[Any], asked_for_length: bool = False) -> dict[str, Any]:
     """Completed results by finish reason, failed requests as "error"; shares of the finished; a warning when
-    more than a tenth were cut by max_new_tokens."""
+    more than a tenth were cut by max_new_tokens (none where the job asked for that: --ignore-eos)."""
     counts: dict[str, int] = defaultdict(int)
     unfinished = 0
     for o in outcomes:
@@ -251,7 +261,8 @@ def finish_reasons(outcomes: list[Any]) -> dict[str, Any]:
     completed = finished - counts.get("error", 0)
     length_share = counts.get("length", 0) / completed if completed else 0.0
     warning = (f"{counts['length']:,} of {completed:,} outputs ({length_share:.0%}) were cut by max_new_tokens: "
-               "give the budget room (--max-new-tokens)") if length_share > LENGTH_WARNING_SHARE else None
+               "give the budget room (--max-new-tokens)") \
+        if length_share > LENGTH_WARNING_SHARE and not asked_for_length else None
     return {"counts": dict(sorted(counts.items())), "shares": dict(sorted(shares.items())), "num_finished": finished,
             "num_unfinished": unfinished, "length_share": round(length_share, 4), "warning": warning}
 
@@ -259,12 +270,14 @@ def finish_reasons(outcomes: list[Any]) -> dict[str, Any]:
 def failure_groups(failed: list[Any], job_id: int, num_examples: int = 3) -> dict[str, Any]:
     """Failed requests grouped by reason (numbers in the message aside: "the prompt has 5000 tokens" and
     "... 7000 tokens" are one reason), largest first, with a few rows each and the command that retries them."""
-    groups: dict[str, list[Any]] = defaultdict(list)
+    groups: dict[tuple[str, bool], list[Any]] = defaultdict(list)
     for f in failed:
-        groups[re.sub(r"\d+", "N", f.error or "unknown")].append(f)
+        groups[re.sub(r"\d+", "N", f.error or "unknown"), bool(f.retryable)].append(f)
     ordered = sorted(groups.values(), key=lambda g: (-len(g), g[0].row))
-    return {"num_failed": len(failed), "retry": f"bulkgen retry {job_id}" if failed else None,
-            "groups": [{"reason": g[0].error or "unknown", "count": len(g),
+    num_retryable = sum(1 for f in failed if f.retryable)
+    return {"num_failed": len(failed), "num_retryable": num_retryable,
+            "retry": f"bulkgen retry {job_id}" if num_retryable else None,
+            "groups": [{"reason": g[0].error or "unknown", "count": len(g), "retryable": bool(g[0].retryable),
                         "examples": [{"row": f.row, "sample": f.sample, "custom_id": f.custom_id, "error": f.error}
                                      for f in g[:num_examples]]} for g in ordered]}
 

@@ -127,6 +127,7 @@ def _lengths(job: dict[str, Any]) -> Any:
     figure, (left, right) = _figure(2)
     _histogram(left, dists["prompt_tokens"], "prompt tokens", "#457b9d")
     budget = (job["settings"]["sampling"] or {}).get("max_new_tokens")
+    budget = budget if isinstance(budget, int) else None  # one budget for every row, or none to mark
     _histogram(right, dists["output_tokens"], "output tokens", "#2a9d8f", upper=budget)
     if budget and dists["output_tokens"].get("count"):
         right.axvline(budget, color="#e76f51", linewidth=1.2, label=f"max_new_tokens {budget}")

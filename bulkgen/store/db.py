@@ -11,6 +11,7 @@ from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
+from bulkgen.config import Paths
 from bulkgen.errors import BulkgenError, ConfigError, StoreError, UnreachableError
 from bulkgen.store import migrate
 
@@ -144,10 +145,14 @@ def _sqlite_engine(url) -> Engine:
         path = Path(url.database).expanduser()
         if path.is_dir():
             raise ConfigError(f"database {path} is a directory: give a file, such as {path / 'bulkgen.db'}")
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise ConfigError(f"cannot create the directory for database {path}: {exc}") from exc
+        if not path.parent.is_dir():
+            if path.parent.resolve() != Paths().data_dir.resolve():  # a place the user named: a typo, not a new queue
+                raise ConfigError(f"the directory {path.parent} of database {path} does not exist: create it first, "
+                                  "or give another --db")
+            try:  # bulkgen's own data folder, made on first use
+                path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise ConfigError(f"cannot create the directory for database {path}: {exc}") from exc
         url = url.set(database=str(path))
     engine = create_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000})
 

@@ -123,17 +123,29 @@ def cancel_job(session: Session, job_id: int) -> int:
     return cancelled
 
 
+# a failed request that running again can change: it failed in a run (an engine error, a run's limits, workers that
+# stopped while running it), not refused at submit for its input (a null prompt, one too long for the model)
+RETRYABLE = Request.prompt_token_ids.is_not(None) & (Request.attempts > 0)
+
+
+def num_retryable(session: Session, job_id: int) -> int:
+    """How many of the job's failed requests `retry` puts back in the queue."""
+    return session.scalar(select(func.count()).select_from(Request).where(
+        Request.job_id == job_id, Request.state == RequestState.FAILED.value, RETRYABLE)) or 0
+
+
 def retry_job(session: Session, job_id: int) -> int:
-    """Put failed (and, for a cancelled job, cancelled) requests back in the queue, attempts reset."""
+    """Put failed requests that a run can change (RETRYABLE), and a cancelled job's cancelled ones, back in the
+    queue, attempts reset."""
     job = get_job(session, job_id)
     if job.status == JobStatus.SUBMITTING.value:
         raise ConfigError(f"job {job_id} is still being submitted: wait for submit to finish")
-    states = [RequestState.FAILED.value]
+    which = (Request.state == RequestState.FAILED.value) & RETRYABLE
     if job.status == JobStatus.CANCELLED.value:
-        states.append(RequestState.CANCELLED.value)
+        which = which | ((Request.state == RequestState.CANCELLED.value) & Request.prompt_token_ids.is_not(None))
     requeued = session.execute(
         update(Request)
-        .where(Request.job_id == job_id, Request.state.in_(states), Request.prompt_token_ids.is_not(None))
+        .where(Request.job_id == job_id, which)
         .values(state=RequestState.PENDING.value, attempts=0, error=None, lease_owner=None,
                 lease_expires_at=None, updated_at=utcnow())
     ).rowcount

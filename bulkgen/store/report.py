@@ -8,6 +8,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from bulkgen.store.jobs import RETRYABLE
 from bulkgen.store.models import Request, RequestState, Result
 
 
@@ -27,8 +28,8 @@ def commits(session: Session, job_id: int) -> list[Any]:
 
 
 def failures(session: Session, job_id: int) -> list[Any]:
-    """(row, sample, custom_id, error) of the job's failed requests, in input order."""
-    query = (select(Request.row, Request.sample, Request.custom_id, Request.error)
+    """(row, sample, custom_id, error, retryable) of the job's failed requests, in input order."""
+    query = (select(Request.row, Request.sample, Request.custom_id, Request.error, RETRYABLE.label("retryable"))
              .where(Request.job_id == job_id, Request.state == RequestState.FAILED.value)
              .order_by(Request.row, Request.sample))
     return list(session.execute(query).all())

@@ -9,7 +9,7 @@ from typing import Any
 from sqlalchemy import func, insert, select, update
 from sqlalchemy.orm import Session
 
-from bulkgen.store.jobs import describe_jobs
+from bulkgen.store.jobs import describe_jobs, num_retryable
 from bulkgen.store.models import Job, Request, RequestState, Result, RunSample, Worker, iso_utc, utcnow
 from bulkgen.store.queue import is_gone
 
@@ -98,4 +98,6 @@ def job_summary(session: Session, job: Job) -> dict[str, Any]:
     now (working, stalled or gone)."""
     summary = describe_jobs(session, [job])[0]
     summary["workers"] = lease_holders(session, job.id)
+    # of the failed, those `bulkgen retry` puts back (the rest were refused at submit for their input)
+    summary["num_retryable"] = num_retryable(session, job.id) if summary["counts"]["failed"] else 0
     return summary
