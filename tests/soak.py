@@ -101,9 +101,12 @@ def reference(folder: Path, model: Path, num_rows: int) -> list[list[tuple]]:
 
 class Soak:
     def __init__(self, root: Path, model: Path, server: OwnPostgres | OwnDatabase, num_workers: int, num_rows: int,
-                 rng: random.Random) -> None:
+                 rng: random.Random, schedule: list[str] | None = None) -> None:
+        """`schedule`: the faults of each round, in this order, back to back (the short form: every kind once);
+        None: faults drawn by their weights every 1.5-4 s until the jobs end (the long form)."""
         self.root, self.model, self.server = root, model, server
         self.num_workers, self.num_rows, self.rng = num_workers, num_rows, rng
+        self.schedule = schedule
         self.proxy = DroppingProxy(server.port, drops=0)
         self.proxy.start()
         self.expected = reference(root / "reference", model, num_rows)
@@ -125,7 +128,9 @@ class Soak:
         workers = [self._start(via_proxy, folder) for _ in range(self.num_workers)]
         killed: set[int] = set()
         last_count, last_change = 0, time.monotonic()
-        next_fault = time.monotonic() + self.rng.uniform(1.0, 3.0)
+        to_come = list(self.schedule) if self.schedule is not None else None
+        gap = (0.3, 1.0) if to_come is not None else (1.5, 4.0)
+        next_fault = time.monotonic() + self.rng.uniform(*gap)
         while True:
             with store.session_scope() as session:
                 count = session.scalar(select(func.count()).select_from(Result))
@@ -141,9 +146,10 @@ class Soak:
                 if proc.poll() is not None:  # killed by us, or ended (its jobs were final): another takes its place
                     assert proc.returncode == 0 or proc.pid in killed, self._failure(folder, proc)
                     workers[i] = self._start(via_proxy, folder)
-            if time.monotonic() >= next_fault:
-                result.faults[self._fault(direct, job_ids, workers, killed)] += 1
-                next_fault = time.monotonic() + self.rng.uniform(1.5, 4.0)
+            if time.monotonic() >= next_fault and to_come != []:
+                kind = to_come.pop(0) if to_come else None
+                result.faults[self._fault(direct, job_ids, workers, killed, kind)] += 1
+                next_fault = time.monotonic() + self.rng.uniform(*gap)
             time.sleep(0.05)
         for proc in workers:
             proc.wait(timeout=120)
@@ -155,8 +161,9 @@ class Soak:
 
     # ------------------------------------------------------------------ the faults
 
-    def _fault(self, db: str, job_ids: list[int], workers: list[subprocess.Popen], killed: set[int]) -> str:
-        kind = self.rng.choices(list(FAULTS), weights=list(FAULTS.values()))[0]
+    def _fault(self, db: str, job_ids: list[int], workers: list[subprocess.Popen], killed: set[int],
+               kind: str | None = None) -> str:
+        kind = kind or self.rng.choices(list(FAULTS), weights=list(FAULTS.values()))[0]
         alive = [p for p in workers if p.poll() is None]
         if kind in ("kill", "pause") and not alive:
             kind = "restart"

@@ -103,7 +103,7 @@ def test_ctrl_c_during_submit_stops_with_nothing_written(tmp_path: Path, db_url:
     from tests.helpers import count_rows, write_parquet
     from tests.zygote import bulkgen_process
 
-    data = write_parquet(tmp_path / "big.parquet", {"prompt": [f"row {i} of a long file" for i in range(300_000)]})
+    data = write_parquet(tmp_path / "big.parquet", {"prompt": [f"row {i} of a long file" for i in range(100_000)]})
     proc = bulkgen_process(["submit", data, "--model", tiny_model_dir, "--db", db_url], stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120

@@ -39,11 +39,16 @@ def ray_address() -> str:
     them, leaving any other cluster on the machine alone: its idle processes would take a share of the two
     cores from every later test); drivers started by the tests join it."""
     # a throwaway cluster on loopback: no token to hand to every driver the tests start
+    before = dict(os.environ)
     os.environ["RAY_AUTH_MODE"] = "disabled"
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     ray.init(num_cpus=4, num_gpus=0, include_dashboard=False, logging_level="WARNING")
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()
+    # ray.init leaves PYTHONBREAKPOINT set in this process: every later test's `bulkgen` processes would differ from
+    # the fork server's environment and start as plain subprocesses (tests/zygote.py), 5x slower each
+    os.environ.clear()
+    os.environ.update(before)
 
 
 def ray_run(db: str, address: str, *extra: str) -> subprocess.Popen:

@@ -41,9 +41,10 @@ def _submit(tmp_path: Path, num_rows: int, model_dir: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_submit_200k_rows_in_flat_memory(tmp_path: Path, tiny_model_dir: Path) -> None:
-    small = _submit(tmp_path, 20_000, tiny_model_dir)
-    large = _submit(tmp_path, 200_000, tiny_model_dir)
-    assert large["num_requests"] == 200_000 and large["num_failed"] == 0
-    # Ten times the rows, about the same peak: nothing accumulates per row.
-    assert large["peak_rss_mb"] < small["peak_rss_mb"] + 60, (small, large)
+def test_submit_100k_rows_in_flat_memory(tmp_path: Path, tiny_model_dir: Path) -> None:
+    small = _submit(tmp_path, 20_000, tiny_model_dir)  # past a transaction's rows (16,384): the steady state
+    large = _submit(tmp_path, 100_000, tiny_model_dir)
+    assert large["num_requests"] == 100_000 and large["num_failed"] == 0
+    # Five times the rows, about the same peak: nothing accumulates per row (375 bytes a row would show; 300 at
+    # 200,000 rows against +60 MB before)
+    assert large["peak_rss_mb"] < small["peak_rss_mb"] + 30, (small, large)

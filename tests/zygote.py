@@ -162,6 +162,17 @@ class _Server:
     env: dict[str, str] = {}
 
     @classmethod
+    def follow(cls) -> None:
+        """The test process's own environment changed where imports read it (a library's init that sets a variable
+        and leaves it, as ray.init does PYTHONBREAKPOINT): the next request starts a server with it, rather than
+        every later request running as a plain subprocess."""
+        with cls.lock:
+            if cls.process is not None and _import_time(dict(os.environ)) != _import_time(cls.env):
+                cls.process.kill()
+                cls.process.wait()
+                cls.process = None
+
+    @classmethod
     def socket_path(cls) -> str:
         with cls.lock:
             if cls.process is None or cls.process.poll() is not None:
@@ -174,13 +185,17 @@ class _Server:
             return cls.path
 
 
+def _import_time(env: dict[str, str]) -> dict[str, str]:
+    """The variables of an environment that imports read (the child's streams are unbuffered anyway)."""
+    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES) and k != "PYTHONUNBUFFERED"}
+
+
 def usable(env: dict[str, str]) -> bool:
     """Whether a request with this environment may run in a forked child (see the module's docstring)."""
     if os.environ.get("BULKGEN_TEST_ZYGOTE", "1") == "0":
         return False
-    base = _Server.env or dict(os.environ)
-    keys = {*env, *base} - {"PYTHONUNBUFFERED"}  # the child's streams are unbuffered anyway
-    return not any(env.get(k) != base.get(k) for k in keys if k.startswith(IMPORT_TIME_PREFIXES))
+    _Server.follow()
+    return _import_time(env) == _import_time(_Server.env or dict(os.environ))
 
 
 class ZygoteProcess:
