@@ -275,7 +275,7 @@ def test_a_nucleus_wider_than_every_cut_is_sorted_whole_and_still_exact(candidat
     """A flat row of 9,000 tokens at top-p 0.99: wider than the 256 candidates and the 4,096 second cut."""
     from bulkgen.engine.sampler import WIDE_CUT, sample_rows
 
-    vocab, num_draws = 9000, 6000
+    vocab, num_draws = 9000, 3000  # 300 draws a bin at least: the chi-squared bound holds at any count
     assert vocab > WIDE_CUT
     logits = _peaked(vocab, seed=5) * 0.05
     params = SamplingParams(temperature=1.0, top_p=0.99)
