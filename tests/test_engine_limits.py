@@ -111,6 +111,21 @@ def test_a_kv_cache_larger_than_free_memory_is_refused(tiny_model_dir: Path) -> 
         Engine(tiny_model_dir, EngineConfig(kv_cache_memory=too_big))
 
 
+def test_a_kv_cache_too_small_to_run_anything_says_what_flag_would(tiny_model_dir: Path) -> None:
+    """The message names a --kv-cache-memory value (not a count of bytes), and that value runs."""
+    import re
+
+    from bulkgen.config import parse_size
+    from bulkgen.errors import ConfigError
+
+    with pytest.raises(ConfigError) as refused:
+        Engine(tiny_model_dir, EngineConfig(kv_cache_memory=4096))
+    found = re.search(r"give --kv-cache-memory (\d+[KM]iB) or more", str(refused.value))
+    assert found and "bytes" not in str(refused.value), refused.value
+    engine = Engine(tiny_model_dir, EngineConfig(kv_cache_memory=parse_size(found.group(1))))
+    assert list(engine.generate([[5, 6, 7]], [SamplingParams(max_new_tokens=2, ignore_eos=True)]))
+
+
 def test_an_output_cut_inside_a_character_drops_it(engine: Engine) -> None:
     """Byte-level tokenizers split a multi-byte character over tokens: an output cut by its budget between
     them decodes with a trailing U+FFFD, which is dropped (the token ids keep every byte)."""

@@ -48,9 +48,11 @@ class KVCache:
         self.scratch_block = self.null_block + int(layout.slides)
         least = MIN_KV_BLOCKS * layout.num_groups
         if self.num_blocks < least:
+            need = (least + num_scratch_blocks + 1) * block_bytes
+            flag = f"{-(-need // 2**20)}MiB" if need > 2**20 else f"{-(-need // 2**10)}KiB"  # rounded up
             raise ConfigError(f"a KV cache of {format_size(budget)} holds {max(self.num_blocks, 0)} blocks of "
-                              f"{block_size} tokens ({block_bytes} bytes a block): too small to run anything; give "
-                              f"at least {(least + num_scratch_blocks + 1) * block_bytes} bytes with --kv-cache-memory")
+                              f"{block_size} tokens ({format_size(block_bytes)} a block): too small to run anything; "
+                              f"give --kv-cache-memory {flag} or more")
         places = (layout.group_size, num_cache_blocks, shape.num_kv_heads, block_size, shape.head_dim)
         self.tensor = zeros_on_huge_pages((2, *places), dtype, device)
         self.num_bytes = self.tensor.numel() * self.tensor.element_size()
