@@ -54,5 +54,5 @@ def export(job_id: int, output: Path, include_inputs: bool, input_path: Path | N
         emit_json(report.to_dict())
         return
     partial = " (the job is not finished: this is what is committed so far)" if report.is_partial else ""
-    click.echo(f"job {job_id}: wrote {report.num_rows} rows to {report.path} ({report.num_completed} completed, "
-               f"{report.num_failed} failed){partial}")
+    click.echo(f"job {job_id}: wrote {report.num_rows:,} rows to {report.path} ({report.num_completed:,} completed, "
+               f"{report.num_failed:,} failed){partial}")

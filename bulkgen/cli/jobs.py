@@ -78,8 +78,8 @@ def submit(source: Path, as_json: bool, db_url: str, **options: Any) -> None:
     if as_json:
         emit_json(report.to_dict())
         return
-    failed = f", {report.num_failed} refused (see `bulkgen status {report.job_id}`)" if report.num_failed else ""
-    click.echo(f"job {report.job_id}: {report.num_requests} requests from {report.num_rows} rows{failed}; "
+    failed = f", {report.num_failed:,} refused (see `bulkgen status {report.job_id}`)" if report.num_failed else ""
+    click.echo(f"job {report.job_id}: {report.num_requests:,} requests from {report.num_rows:,} rows{failed}; "
                f"{report.num_prompt_tokens:,} prompt tokens; submitted in {report.seconds:.1f} s")
     click.echo(f"next: bulkgen run {report.job_id}")
 
@@ -174,8 +174,8 @@ def _status_lines(summary: dict[str, Any], errors: list[tuple[int, int, str]]) -
     eta = f" · ETA {format_duration(summary['eta_s'])}" if summary["eta_s"] is not None else ""
     lines = [f"job {summary['id']}" + (f" ({summary['name']})" if summary["name"] else "")
              + f": {summary['status']} · model {summary['model']}",
-             f"requests: {summary['total']} total · {c['completed']} completed · {c['failed']} failed · "
-             f"{c['pending']} pending · {c['running']} running · {c['cancelled']} cancelled",
+             f"requests: {summary['total']:,} total · {c['completed']:,} completed · {c['failed']:,} failed · "
+             f"{c['pending']:,} pending · {c['running']:,} running · {c['cancelled']:,} cancelled",
              f"tokens: {summary['num_prompt_tokens']:,} prompt · {summary['num_output_tokens']:,} output{rate}{eta}"]
     if c["failed"] and "num_retryable" in summary:
         lines.append(failed_line(summary))
@@ -261,7 +261,7 @@ def cancel(job_id: int, as_json: bool, db_url: str) -> None:
     if as_json:
         emit_json({"job_id": job_id, "cancelled": num_cancelled})
     else:
-        click.echo(f"job {job_id}: cancelled ({num_cancelled} requests not run)")
+        click.echo(f"job {job_id}: cancelled ({num_cancelled:,} requests not run)")
 
 
 @click.command(cls=JobCommand, context_settings=CONTEXT)
@@ -285,7 +285,7 @@ def retry(job_id: int, as_json: bool, db_url: str) -> None:
     left = (f"; {num_left:,} failed request(s) stay failed: refused at submit for their input (a null or empty "
             "prompt, one too long for the model), which retrying cannot change; fix those rows and submit them "
             "again") if num_left else ""
-    click.echo(f"job {job_id}: {num_requeued} requests back in the queue" +
+    click.echo(f"job {job_id}: {num_requeued:,} requests back in the queue" +
                (f"; next: bulkgen run {job_id}" if num_requeued else "") + left)
 
 
