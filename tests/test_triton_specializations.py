@@ -58,8 +58,8 @@ def test_a_ragged_run_asks_for_few_kernel_variants_and_none_past_the_warm_up(tin
     for name in KERNELS:
         monkeypatch.setattr(triton_attention, name, Recorded(getattr(triton_attention, name), name))
     rng = random.Random(0)
-    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(2, 70))] for _ in range(9)]
-    params = [SamplingParams(max_new_tokens=rng.randint(3, 24), ignore_eos=True) for _ in prompts]
+    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(2, 70))] for _ in range(8)]
+    params = [SamplingParams(max_new_tokens=rng.randint(3, 14), ignore_eos=True) for _ in prompts]
     engine = Engine(tiny_model_dir, EngineConfig(attention_backend="triton", block_size=16, max_num_seqs=6,
                                                  max_num_batched_tokens=40, kv_cache_memory=2 * 2**20))
     # what a GPU's engine runs at start (here, in the interpreter, it is called by hand: nothing compiles)
