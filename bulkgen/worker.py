@@ -1,3 +1,5 @@
+# Whole (over 300 lines): its loop and the helpers the loop calls share one worker's state (engine, writer, pace,
+# outage); writer, lease, liveness, outage, progress and recorder are already rooms of their own.
 """The worker: the only module that joins the store and the engine. Its loop reads as
 claim -> add -> step -> write:
 

@@ -1,3 +1,5 @@
+# Whole (over 300 lines): one module per noun, the CLI's rule; status's watch view is its largest part and belongs to
+# status.
 """Commands on jobs: submit, list, status, cancel, retry."""
 
 from __future__ import annotations

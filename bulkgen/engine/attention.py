@@ -1,3 +1,5 @@
+# Whole (over 300 lines): a ragged batch's metadata and the attention paths that read it change together; the C and
+# Triton kernels live in cpu/ and gpu/.
 """Paged attention plugged into Hugging Face models through transformers' attention-function interface.
 
 The runner flattens every scheduled token of every sequence into one ragged batch (batch size 1,

@@ -1,3 +1,5 @@
+# Whole (over 300 lines): loading, the KV cache and one step share the runner's tensors; kernels, attention and layers
+# live in modules of their own.
 """The model runner owns torch: it loads the model, holds the KV cache, and runs one step.
 
 A step's scheduled tokens are flattened into one ragged batch (decodes first, then prefill chunks),

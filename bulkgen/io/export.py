@@ -1,3 +1,5 @@
+# Whole (over 300 lines): the streamed join and its sinks (Parquet, JSONL, CSV, OpenAI) share one write-then-rename
+# path.
 """Export: one row per request, in input order, joined to the input columns; failed rows carry their error.
 
 The input file and the results are streamed side by side, a record batch of input rows at a time, so

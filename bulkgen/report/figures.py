@@ -1,3 +1,5 @@
+# Whole (over 300 lines): every figure of a job's report is read in one session from the job's outcomes; the page and
+# the plots are modules of their own.
 """A job's report as data: the same figures the page plots, and what `bulkgen report --json` prints.
 
 Read from the store only: the job's summary (the very dict `bulkgen status --json` prints, so the two agree),

@@ -1,3 +1,5 @@
+# Whole (over 300 lines): claims, leases and commits are one protocol whose invariant (a request held by one worker)
+# is read in one place.
 """The work queue: workers claim requests under a lease, renew it by heart-beating, and commit results.
 
 A request is claimed by exactly one worker at a time (SQLite: the claim runs under BEGIN IMMEDIATE;

@@ -1,3 +1,4 @@
+# Whole (over 300 lines): the Triton kernels and their launchers share block sizes and layouts that change together.
 """Paged attention and the KV write in Triton, for GPUs (and, for tests, Triton's CPU interpreter).
 
 KV layout on this path: K and V alike, per layer [num_blocks, num_kv_heads, block_size, head_dim] (a
