@@ -14,6 +14,10 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the hub is unreachable here; never wait for it
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton kernels run on the CPU, through triton's interpreter
+if os.environ.get("BULKGEN_TEST_FAST_INTERPRETER", "1") != "0":  # its per-call set-up once (tests/triton_interpreter)
+    from tests import triton_interpreter
+
+    triton_interpreter.install()
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -78,8 +78,13 @@ def test_one_worker_rides_out_two_restarts_and_a_stop(tmp_path: Path, tiny_model
     proc = start_worker(db, "--max-num-seqs", "8", "--json")
     outages(db, proc, own_postgres, stopped_s=6.0)  # past the backoff's first steps (0.5, 1, 2 s) and the lease
     summary, stderr = _finish(proc)
-    assert summary["completed"] == NUM_ROWS and summary["db_outages"] >= 3 and summary["db_outage_s"] > 3, summary
-    assert stderr.count("database unavailable since") >= 3 and stderr.count("database back after") >= 3, stderr
+    # The stop is always seen (the worker commits many times in 6 s); a restart is seen only where the worker touched
+    # the server while it was down: a pooled connection it broke is otherwise replaced by the next checkout's ping,
+    # no error raised. So: at least one outage, every one said and its end said, as many as the summary counts.
+    outages_seen = summary["db_outages"]
+    assert summary["completed"] == NUM_ROWS and outages_seen >= 1 and summary["db_outage_s"] > 3, summary
+    assert stderr.count("bulkgen: database unavailable since") == stderr.count("bulkgen: database back after") \
+        == outages_seen, stderr
     assert_exactly_once(db, job_id, tmp_path, reference)
 
 

@@ -31,6 +31,7 @@ from tests.test_worker_process import (
 ray = pytest.importorskip("ray")
 
 postgres_only = pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
+sqlite_only = pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +69,7 @@ def wait_for(predicate, proc: subprocess.Popen, timeout: float = 180) -> None:
     raise AssertionError("timed out")
 
 
+@sqlite_only  # two actors of one driver on one file; on PostgreSQL two drivers share the queue (below)
 def test_two_actors_share_one_job_and_no_request_runs_twice(tmp_path: Path, tiny_model_dir: Path, make_db,
                                                             ray_address: str) -> None:
     db = make_db("two")
@@ -115,13 +117,18 @@ def test_an_actor_killed_mid_job_is_restarted_and_the_export_equals_one_worker(t
 def test_two_drivers_on_one_postgresql_queue(tmp_path: Path, tiny_model_dir: Path, make_db, ray_address: str) -> None:
     db = make_db("drivers")
     job_id = make_job(tmp_path, tiny_model_dir, db)
-    drivers = [ray_run(db, ray_address, "--workers", "1", "--max-num-seqs", "8", "--json") for _ in range(2)]
+    # leases long enough to outlast make_two_work's pause: a paused actor's requests stay its own
+    drivers = [ray_run(db, ray_address, "--workers", "1", "--max-num-seqs", "8", "--lease-seconds", "120", "--json")
+               for _ in range(2)]
+    make_two_work(db, lambda: all(d.poll() is None for d in drivers))
     outputs = [d.communicate(timeout=300) for d in drivers]
     assert all(d.returncode == 0 for d in drivers), [err for _, err in outputs]
-    assert sum(json.loads(out)["completed"] for out, _ in outputs) == NUM_ROWS
+    completed = [json.loads(out)["completed"] for out, _ in outputs]
+    assert sum(completed) == NUM_ROWS and all(n > 0 for n in completed), completed  # both did work
     with open_store(db).session_scope() as session:
         assert session.scalar(select(func.count()).select_from(Result)) == NUM_ROWS
         assert session.scalar(select(func.max(Request.attempts))) == 1
+        assert session.scalar(select(func.count(func.distinct(Result.worker_id)))) == 2
     assert invoke_json("status", job_id, "--db", db)["status"] == "completed"
 
 
@@ -151,6 +158,7 @@ def test_cancel_while_ray_workers_run_then_sigterm_drains(tmp_path: Path, tiny_m
     assert counts["running"] == 0 and 0 < counts["completed"] < num_rows  # drained: nothing left leased
 
 
+@sqlite_only  # flags and the data stage, not the store: one database
 def test_bad_ray_flags_are_refused_before_anything_starts(tmp_path: Path, db_url: str, ray_address: str) -> None:
     assert "--workers must be at least 1" in invoke("run", "--ray", "--workers", "0", expect=2).output
     assert "go with --ray" in invoke("run", "--workers", "2", expect=2).output
@@ -166,6 +174,7 @@ def test_bad_ray_flags_are_refused_before_anything_starts(tmp_path: Path, db_url
     assert done.returncode == 2 and "bulkgen[ray]" in done.stderr and "Traceback" not in done.stderr
 
 
+@sqlite_only  # flags and the data stage, not the store: one database
 def test_ray_data_stage_adds_exports_columns_equal_to_a_queue_run(tmp_path: Path, tiny_model_dir: Path,
                                                                   db_url: str, ray_address: str) -> None:
     """bulkgen.ray.generate over a Ray Dataset: export's output columns, the same greedy outputs as

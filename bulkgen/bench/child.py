@@ -215,7 +215,8 @@ def run_hf_cb(spec: dict[str, Any], workload: Workload) -> dict[str, Any]:
     model.set_attn_implementation("sdpa")
     config = GenerationConfig(do_sample=False, max_new_tokens=max(workload.max_new_tokens), eos_token_id=-1,
                               pad_token_id=0)
-    manager = model.init_continuous_batching(generation_config=config)
+    manager = model.init_continuous_batching(generation_config=config,
+                                             continuous_batching_config=_hf_cb_config(model, spec))
     manager.start()
     outputs: dict[int, list[int]] = {}
     finish: dict[int, float] = {}
@@ -236,6 +237,24 @@ def run_hf_cb(spec: dict[str, Any], workload: Workload) -> dict[str, Any]:
     wall = time.perf_counter() - start
     return {"output_token_ids": [outputs[i] for i in range(len(workload.prompts))],
             "finish_s": [finish[i] for i in range(len(workload.prompts))], "wall_s": wall}
+
+
+def _hf_cb_config(model: Any, spec: dict[str, Any]) -> Any:
+    """The KV budget bulkgen got (--kv-cache-memory), as transformers' blocks; None (transformers sizes its cache to
+    the device's free memory) where none was given. On a CPU that default zeroes most of the machine's memory before
+    the first step (tens of seconds on 24 GB)."""
+    kv_bytes = spec.get("engine_config", {}).get("kv_cache_memory")
+    if not kv_bytes:
+        return None
+    from transformers import ContinuousBatchingConfig
+
+    cb = ContinuousBatchingConfig()
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    bytes_per_token = c.num_hidden_layers * 2 * c.num_key_value_heads * head_dim * model.dtype.itemsize
+    cb.num_blocks = max(1, kv_bytes // (bytes_per_token * cb.page_size))
+    cb.max_batch_tokens = spec["engine_config"].get("max_num_batched_tokens") or None
+    return cb
 
 
 def _warm_up(engine: Any) -> None:

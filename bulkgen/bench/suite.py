@@ -92,7 +92,7 @@ def run_suite(models: list[str], num_requests: int, peer_requests: int, engines:
     fails gives a row with its error and the next one runs."""
     rows: list[dict[str, Any]] = []
     report = {"suite": "gpu", "models": models, "num_requests": num_requests, "peer_requests": peer_requests,
-              "rows": rows}
+              "prompt_tokens": list(prompt_tokens), "output_tokens": list(output_tokens), "rows": rows}
     with tempfile.TemporaryDirectory(prefix="bulkgen-suite-") as tmp:
         for name in models:
             workload = suite_workload(num_requests, SUITE_MODELS[name]["vocab_size"], prompt_tokens, output_tokens)

@@ -64,6 +64,10 @@ SUITE_OPTIONS = _apply([
     click.option("--suite-requests", type=int, default=1024, show_default=True,
                  help="Requests bulkgen runs in the suite (its peers run --suite-peer-requests of them)."),
     click.option("--suite-peer-requests", type=int, default=128, show_default=True),
+    click.option("--suite-prompt-tokens", default="128-1024", show_default=True, metavar="MIN-MAX",
+                 help="The range of the suite's prompt lengths (each drawn uniformly)."),
+    click.option("--suite-output-tokens", default="128-512", show_default=True, metavar="MIN-MAX",
+                 help="The range of the suite's output budgets (each drawn uniformly)."),
     click.option("--suite-engines", default=",".join(SUITE_ENGINES), show_default=True,
                  help="The suite's engines, in order, comma-separated (also: bulkgen-graphs, bulkgen with CUDA-graph "
                       "decode)."),
@@ -131,7 +135,8 @@ def bench() -> None:
 @QUEUE_OPTIONS
 @engine_options
 def compare(workload: Path | None, synthetic: int | None, suite: str | None, suite_models: str, suite_requests: int,
-            suite_peer_requests: int, suite_engines: str, make_workload: int | None, limit: int | None, chat: bool,
+            suite_peer_requests: int, suite_prompt_tokens: str, suite_output_tokens: str, suite_engines: str,
+            make_workload: int | None, limit: int | None, chat: bool,
             max_new_tokens: int, model: str | None, compare: str, packing: str, kv_admission: bool,
             hf_batch_size: str, vllm_python: str | None, json_path: Path | None, plot_path: Path | None, seed: int,
             reference: str | None, temperature: float, top_p: float, top_k: int, min_p: float,
@@ -155,7 +160,8 @@ def compare(workload: Path | None, synthetic: int | None, suite: str | None, sui
       bulkgen bench w256.parquet --temperature 0.8 --top-p 0.95 --compare bulkgen@greedy,bulkgen@json,vllm
     """
     if suite is not None:
-        _suite(suite_models, suite_requests, suite_peer_requests, suite_engines, hf_batch_size, json_path, engine)
+        _suite(suite_models, suite_requests, suite_peer_requests, suite_engines, hf_batch_size, json_path, engine,
+               suite_prompt_tokens, suite_output_tokens)
         return
     if queue_bench:
         _queue(queue_workers, queue_dbs, queue_requests, engine["max_num_seqs"], json_path)
@@ -208,17 +214,19 @@ def compare(workload: Path | None, synthetic: int | None, suite: str | None, sui
 @HF_BATCH_SIZE
 @JSON_PATH
 @engine_options
-def suite(suite_models: str, suite_requests: int, suite_peer_requests: int, suite_engines: str, hf_batch_size: str,
-          json_path: Path | None, **engine: Any) -> None:
+def suite(suite_models: str, suite_requests: int, suite_peer_requests: int, suite_prompt_tokens: str,
+          suite_output_tokens: str, suite_engines: str, hf_batch_size: str, json_path: Path | None,
+          **engine: Any) -> None:
     """The GPU suite: random-weight models of three sizes, bfloat16, 1,024 synthetic requests; bulkgen
     against transformers' generate_batch and static batches.
 
     \b
     Example:
       bulkgen bench suite --json gpu.json
-      bulkgen bench suite --suite-models tiny --suite-requests 16    # a smoke run on a CPU
+      bulkgen bench suite --suite-models tiny --suite-requests 16 --suite-output-tokens 8-32   # a smoke run on a CPU
     """
-    _suite(suite_models, suite_requests, suite_peer_requests, suite_engines, hf_batch_size, json_path, engine)
+    _suite(suite_models, suite_requests, suite_peer_requests, suite_engines, hf_batch_size, json_path, engine,
+           suite_prompt_tokens, suite_output_tokens)
 
 
 @bench.command(context_settings=CONTEXT)
@@ -297,8 +305,23 @@ def _resolved_dtype(config: EngineConfig, model_dir: Path) -> EngineConfig:
     return dataclasses.replace(config, dtype=dtype_for("auto", model_dir, config.kv_cache_memory, on_gpu))
 
 
+def _token_range(text: str, flag: str) -> tuple[int, int]:
+    low, sep, high = text.partition("-")
+    try:
+        bounds = (int(low), int(high)) if sep else (int(low), int(low))
+    except ValueError:
+        bounds = (0, 0)
+    if not 1 <= bounds[0] <= bounds[1]:
+        raise click.BadParameter(f"{text!r} is not a range of token counts: give MIN-MAX, e.g. 128-512",
+                                 param_hint=flag)
+    return bounds
+
+
 def _suite(models: str, num_requests: int, peer_requests: int, engines: str, hf_batch_size: str,
-           json_path: Path | None, engine: dict[str, Any]) -> None:
+           json_path: Path | None, engine: dict[str, Any], prompt_tokens: str = "128-1024",
+           output_tokens: str = "128-512") -> None:
+    prompts = _token_range(prompt_tokens, "--suite-prompt-tokens")
+    outputs = _token_range(output_tokens, "--suite-output-tokens")
     names = [m.strip() for m in models.split(",") if m.strip()]
     unknown = [m for m in names if m not in SUITE_MODELS]
     if unknown or not names:
@@ -320,7 +343,8 @@ def _suite(models: str, num_requests: int, peer_requests: int, engines: str, hf_
             write_suite_json(report, json_path)
 
     report = run_suite(names, num_requests, peer_requests, engine_names, config, run,
-                       log=lambda m: click.echo(m, err=True), on_row=on_row)
+                       log=lambda m: click.echo(m, err=True), prompt_tokens=prompts, output_tokens=outputs,
+                       on_row=on_row)
     click.echo(format_suite(report))
     if json_path:
         write_suite_json(report, json_path)
