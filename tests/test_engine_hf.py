@@ -180,10 +180,11 @@ def test_triton_path_equals_hf_generate(models) -> None:
 def test_decode_graphs_pad_to_their_bucket_and_equal_hf_generate(models) -> None:
     """CUDA-graph decode (its static buffers, buckets and scratch-block padding; here run eagerly in Triton's
     interpreter, as nothing can be captured without a GPU): greedy tokens equal Hugging Face's while the
-    batch shrinks through several buckets, with preemptions."""
+    batch shrinks through several buckets and its block tables widen. Prompts of 1 to 33 tokens: the prefill
+    path is the one test_triton_path_equals_hf_generate runs over long prompts."""
     pytest.importorskip("triton")
     model_dir, expected = models["llama64"]
-    picked = [0, 3, 8, 10, 17]
+    picked = [0, 3, 8, 13]
     config = EngineConfig(kv_cache_memory=337 * KV_BYTES_PER_TOKEN["llama64"], max_num_batched_tokens=64,
                           attention_backend="triton", max_num_seqs=5, block_size=16, cuda_graphs=True)
     engine = Engine(model_dir, config)

@@ -101,8 +101,15 @@ def test_the_suites_cuda_graph_entry_runs_bulkgen_with_graphs_and_the_same_token
     assert [len(t) for t in graphs["output_token_ids"]] == [6, 3, 9]
 
 
-def test_unknown_suite_engines_are_refused_before_anything_runs() -> None:
-    done = subprocess.run([sys.executable, "-m", "bulkgen", "bench", "suite", "--suite-models", "tiny",
-                           "--suite-engines", "bulkgen,vllm-gpu"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode == 2 and "unknown suite engine(s) ['vllm-gpu']" in done.stderr, done.stderr
+def test_unknown_suite_engines_and_bad_lengths_are_refused_before_anything_runs(tmp_path: Path) -> None:
+    from tests.helpers import invoke
+
+    out = tmp_path / "suite.json"
+    result = invoke("bench", "suite", "--suite-models", "tiny", "--suite-engines", "bulkgen,vllm-gpu", "--json", out,
+                    expect=2)
+    assert "unknown suite engine(s) ['vllm-gpu']" in result.output
+    for flag, value in (("--suite-prompt-tokens", "64-8"), ("--suite-output-tokens", "many"),
+                        ("--suite-output-tokens", "0-4")):
+        result = invoke("bench", "suite", "--suite-models", "tiny", flag, value, "--json", out, expect=2)
+        assert f"{value!r} is not a range of token counts: give MIN-MAX" in result.output and flag in result.output
+    assert not out.exists()

@@ -120,7 +120,8 @@ def test_each_family_equals_hf_generate_past_its_window(family_dirs: dict[str, P
     assert engine.stats.num_preemptions >= 1 and engine.prefix_hit, "preemption and a prefix hit were in play"
 
 
-@pytest.mark.parametrize("family", ["mistral", "qwen2-hybrid", "gemma2", "gemma3", "gpt-oss"])
+# (Mistral's window on every layer is the window the others have on some: qwen2-hybrid's, gemma2's, gpt-oss's)
+@pytest.mark.parametrize("family", ["qwen2-hybrid", "gemma2", "gemma3", "gpt-oss"])
 def test_each_family_equals_hf_generate_on_the_triton_path(family_dirs: dict[str, Path], family: str) -> None:
     """The Triton kernels (in Triton's interpreter): windows, softcapping and sinks as on the other paths."""
     pytest.importorskip("triton")
