@@ -152,14 +152,14 @@ def test_bfloat16_kernels_agree_with_torch(tiny_llama64_dir: Path, monkeypatch: 
     assert first >= 0.9 and before_parting >= 0.3  # 65 % here; a broken decode path gives ~3 %
 
 
-def _first_16(engine: Engine, picked: list[int]) -> dict[int, list[int]]:
-    """Up to 16 greedy tokens of each picked WORKLOAD prompt, run together."""
-    for i in picked:
-        engine.add(i, WORKLOAD[i][0], SamplingParams(max_new_tokens=min(WORKLOAD[i][1], 16)))
+def _first(engine: Engine, caps: dict[int, int]) -> dict[int, list[int]]:
+    """Up to caps[i] greedy tokens of each picked WORKLOAD prompt i, run together."""
+    for i, cap in caps.items():
+        engine.add(i, WORKLOAD[i][0], SamplingParams(max_new_tokens=min(WORKLOAD[i][1], cap)))
     outputs = {}
     while engine.has_unfinished():
         outputs.update((o.request_id, o.output_token_ids) for o in engine.step())
-    return {i: outputs[i] for i in picked}
+    return {i: outputs[i] for i in caps}
 
 
 def test_triton_path_equals_hf_generate(models) -> None:
@@ -173,18 +173,18 @@ def test_triton_path_equals_hf_generate(models) -> None:
                           attention_backend="triton", max_num_seqs=8, block_size=16)
     engine = Engine(model_dir, config)
     assert engine.runner.use_triton and engine.runner._k_caches[0].shape[1:] == engine.runner._v_caches[0].shape[1:]
-    assert _first_16(engine, picked) == {i: expected[i][:min(WORKLOAD[i][1], 16)] for i in picked}
+    assert _first(engine, dict.fromkeys(picked, 16)) == {i: expected[i][:min(WORKLOAD[i][1], 16)] for i in picked}
     assert engine.stats.num_preemptions > 0
 
 
 def test_decode_graphs_pad_to_their_bucket_and_equal_hf_generate(models) -> None:
     """CUDA-graph decode (its static buffers, buckets and scratch-block padding; here run eagerly in Triton's
     interpreter, as nothing can be captured without a GPU): greedy tokens equal Hugging Face's while the
-    batch shrinks through several buckets and its block tables widen. Prompts of 1 to 33 tokens: the prefill
+    batch shrinks through buckets and its block tables widen. Prompts of 1 to 33 tokens: the prefill
     path is the one test_triton_path_equals_hf_generate runs over long prompts."""
     pytest.importorskip("triton")
     model_dir, expected = models["llama64"]
-    picked = [0, 3, 8, 13]
+    caps = {0: 16, 1: 2, 3: 5, 8: 9, 13: 12}  # the batch shrinks as they end
     config = EngineConfig(kv_cache_memory=337 * KV_BYTES_PER_TOKEN["llama64"], max_num_batched_tokens=64,
                           attention_backend="triton", max_num_seqs=5, block_size=16, cuda_graphs=True)
     engine = Engine(model_dir, config)
@@ -204,7 +204,7 @@ def test_decode_graphs_pad_to_their_bucket_and_equal_hf_generate(models) -> None
         return logits
 
     graphs.run = run
-    assert _first_16(engine, picked) == {i: expected[i][:min(WORKLOAD[i][1], 16)] for i in picked}
+    assert _first(engine, caps) == {i: expected[i][:min(WORKLOAD[i][1], cap)] for i, cap in caps.items()}
     assert len({bucket for bucket, _ in used}) >= 2, "decode steps of several sizes went through their buckets"
     assert len({width for _, width in used}) >= 2, "and of several table widths"
     assert graphs.graphs == made, "none captured during the run"
