@@ -151,14 +151,10 @@ def test_a_worker_waiting_on_others_says_so_once_not_at_every_poll(
     make_job(tmp_path, tiny_model_dir, db, num_rows=40, max_new=16)
     first = start_worker(db, "--max-num-seqs", "4", "--lease-seconds", "300")
     wait_until(lambda: num_results(db) > 0, "the first worker's first commit")
-    deadline = time.monotonic() + 60
-    while True:  # paused outside a transaction while it holds requests (not between a commit and its next claim)
-        pause_between_transactions(db, first.pid, deadline)
-        if states(db).get("running", 0) > 0:
-            break
-        os.kill(first.pid, signal.SIGCONT)
-        assert time.monotonic() < deadline and first.poll() is None, "the worker never held requests while paused"
+    # paused while it holds requests (not between a commit and its next claim)
+    pause_between_transactions(db, first.pid, time.monotonic() + 60, also=lambda: states(db).get("running", 0) > 0)
     try:
+        assert states(db).get("running", 0) > 0, "the paused worker holds requests"
         worker = PollCountingWorker(open_store(db), EngineConfig(kv_cache_memory=16 * 2**20, max_num_seqs=8),
                                     WorkerOptions(commit_interval_s=0.2, poll_s=0.02, lease_s=300))
         thread = threading.Thread(target=worker.run)

@@ -107,15 +107,17 @@ def make_two_work(db: str, alive: Callable[[], bool], timeout: float = 180) -> N
         os.kill(pid, signal.SIGCONT)
 
 
-def pause_between_transactions(db: str, pid: int, deadline: float) -> None:
-    """SIGSTOP the worker at a moment it holds no open write transaction: paused inside one it would block
-    every other writer (SQLite has one), and the other worker could commit nothing."""
+def pause_between_transactions(db: str, pid: int, deadline: float,
+                               also: Callable[[], bool] = lambda: True) -> None:
+    """SIGSTOP the worker at a moment it holds no open write transaction (and `also` holds while it is paused):
+    paused inside one it would block every other writer (SQLite has one), and the other worker could commit
+    nothing."""
     while True:
         os.kill(pid, signal.SIGSTOP)
-        if not _transaction_open(db):
+        if not _transaction_open(db) and also():
             return
         os.kill(pid, signal.SIGCONT)
-        assert time.monotonic() < deadline, "the worker never stood outside a transaction"
+        assert time.monotonic() < deadline, "the worker never stood outside a transaction (as asked)"
         time.sleep(POLL_S)
 
 

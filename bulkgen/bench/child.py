@@ -249,9 +249,7 @@ def _hf_cb_config(model: Any, spec: dict[str, Any]) -> Any:
     from transformers import ContinuousBatchingConfig
 
     cb = ContinuousBatchingConfig()
-    c = model.config
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    bytes_per_token = c.num_hidden_layers * 2 * c.num_key_value_heads * head_dim * model.dtype.itemsize
+    bytes_per_token = ModelShape.of(model.config).kv_bytes_per_token(spec["dtype"])
     cb.num_blocks = max(1, kv_bytes // (bytes_per_token * cb.page_size))
     cb.max_batch_tokens = spec["engine_config"].get("max_num_batched_tokens") or None
     return cb

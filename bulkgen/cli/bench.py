@@ -318,8 +318,7 @@ def _token_range(text: str, flag: str) -> tuple[int, int]:
 
 
 def _suite(models: str, num_requests: int, peer_requests: int, engines: str, hf_batch_size: str,
-           json_path: Path | None, engine: dict[str, Any], prompt_tokens: str = "128-1024",
-           output_tokens: str = "128-512") -> None:
+           json_path: Path | None, engine: dict[str, Any], prompt_tokens: str, output_tokens: str) -> None:
     prompts = _token_range(prompt_tokens, "--suite-prompt-tokens")
     outputs = _token_range(output_tokens, "--suite-output-tokens")
     names = [m.strip() for m in models.split(",") if m.strip()]
