@@ -11,18 +11,25 @@ import pytest
 
 from bulkgen.engine.cpu.kernels import load_cpu_kernels
 
+NO_AMX = ("-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8")
 if platform.machine() in ("x86_64", "AMD64"):
-    BUILDS = {"native": (), "no-avx512bf16": ("-mno-avx512bf16",), "no-avx512": ("-mno-avx512f",),
+    BUILDS = {"native": (), "no-avx512bf16": ("-mno-avx512bf16", *NO_AMX), "no-avx512": ("-mno-avx512f", *NO_AMX),
               "x86-64": ("-march=x86-64",)}
 else:
     BUILDS = {"native": ()}
 
-HAS_AVX512_BF16 = "avx512_bf16" in open("/proc/cpuinfo").read()
+_FLAGS = open("/proc/cpuinfo").read()
+HAS_AVX512_BF16 = "avx512_bf16" in _FLAGS
+HAS_AMX = "amx_bf16" in _FLAGS and platform.machine() in ("x86_64", "AMD64")
+# The builds whose C linear layers take bfloat16 on this CPU: AMX tiles (native, on an AMX CPU) and
+# AVX512-BF16 (native elsewhere; without AMX on an AMX CPU, the path of an AMD Zen 4/5).
+BF16_LINEAR_BUILDS = (["native"] if HAS_AVX512_BF16 or HAS_AMX else []) + (["no-amx"] if HAS_AMX else [])
+_EXTRA = {"no-amx": NO_AMX}
 
 
 def kernel(build: str = "native"):
     """The kernel library of a build (they build wherever gcc is present: CI has it)."""
-    library = load_cpu_kernels(BUILDS[build])
+    library = load_cpu_kernels(BUILDS.get(build, _EXTRA.get(build)))
     assert library is not None, f"the {build} build of the kernels failed"
     return library
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from bulkgen.engine.cpu.ops import Ops
 from bulkgen.engine.grammar import mask_logits
 from bulkgen.engine.layers import GatedLinear, Linear, fused, onednn_takes, rms_norm_torch, rotate
-from tests.builds import HAS_AVX512_BF16, builds, kernel
+from tests.builds import BF16_LINEAR_BUILDS, BUILDS, HAS_AMX, builds, kernel
 
 # float32: a K=576 reduction summed in another order differs by a few ulps of its largest terms (~1e-6)
 TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1 / 64, atol=1e-2)}
@@ -169,19 +169,25 @@ def test_linear_float32_kernel_is_batch_invariant(build: str) -> None:
     assert torch.equal(linear(x[:18]), alone[:18])
 
 
-@pytest.mark.skipif(not HAS_AVX512_BF16,
-                    reason="the bfloat16 linear kernel needs AVX512-BF16 (oneDNN runs it otherwise)")
+BF16_LINEAR = pytest.mark.parametrize("build", BF16_LINEAR_BUILDS or [
+    pytest.param("native", marks=pytest.mark.skip(reason="the C bfloat16 linear layers need AMX or AVX512-BF16 "
+                                                          "(oneDNN runs them otherwise; declining is tested below)"))])
+
+
+@BF16_LINEAR
 @pytest.mark.parametrize("rows", [1, 4, 18, 130])
 @pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (100, 64), (49, 1538)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_linear_bfloat16_kernel(rows: int, out_features: int, in_features: int, with_bias: bool) -> None:
+def test_linear_bfloat16_kernel(build: str, rows: int, out_features: int, in_features: int, with_bias: bool) -> None:
     """float32 sums of bfloat16 products, rounded once: within one bfloat16 rounding of the exact result,
-    like oneDNN's bfloat16 linear."""
+    like oneDNN's bfloat16 linear. On AMX tiles (native, on an AMX CPU) and on AVX512-BF16 (native
+    elsewhere, and the no-amx build on an AMX CPU)."""
     torch.manual_seed(rows + out_features)
     weight = (torch.randn(out_features, in_features) / in_features ** 0.5).bfloat16()
     bias = torch.randn(out_features).bfloat16() if with_bias else None
-    linear = Linear(weight, bias, pack=True, kernel=kernel())
-    assert linear.kernel is not None, "bfloat16 on a CPU with AVX512-BF16 runs through the C kernel"
+    linear = Linear(weight, bias, pack=True, kernel=kernel(build))
+    assert linear.kernel is not None, "bfloat16 on a CPU with AMX or AVX512-BF16 runs through the C kernel"
+    assert linear.kernel.amx == (HAS_AMX and build == "native")
     x = torch.randn(rows, in_features).bfloat16()
     got = linear(x)
     assert got.dtype == torch.bfloat16
@@ -190,27 +196,53 @@ def test_linear_bfloat16_kernel(rows: int, out_features: int, in_features: int, 
     torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=1 / 64, atol=1e-2)
 
 
+@pytest.mark.skipif(not HAS_AMX, reason="AMX tiles need an Intel Xeon of the 4th generation or later (the other "
+                                        "bfloat16 paths are tested on every CPU)")
+@pytest.mark.parametrize(("out_features", "in_features"), [(70, 2048), (33, 77), (17, 31)])
+def test_linear_bfloat16_on_amx_tiles_any_shape_any_rows(out_features: int, in_features: int) -> None:
+    """AMX tiles hold 16 rows x 32 inputs x 16 outputs; shapes and batches that fill none of them exactly
+    (K and N not multiples of the tile, K odd, 1 to 1,024 rows, more rows than one L2 group: 2,048 inputs
+    take groups of 256 rows and chunks of 512 inputs) stay within a bfloat16 rounding of the exact result,
+    and each row's result is the same bits alone or in a batch (one summation order per output)."""
+    torch.manual_seed(in_features)
+    weight = (torch.randn(out_features, in_features) / in_features ** 0.5).bfloat16()
+    linear = Linear(weight, None, pack=True, kernel=kernel())
+    assert linear.kernel is not None and linear.kernel.amx
+    x = torch.randn(1024, in_features).bfloat16()
+    got = linear(x)
+    exact = F.linear(x.double(), weight.double())
+    torch.testing.assert_close(got.double(), exact, rtol=1 / 128, atol=1e-3)
+    for rows in (1, 15, 16, 17, 33, 300):
+        assert torch.equal(linear(x[:rows]), got[:rows])
+    assert torch.equal(linear(x[500:501]), got[500:501])
+
+
 def test_linear_bfloat16_without_avx512_bf16_runs_through_torch() -> None:
-    """Built without AVX512-BF16 the kernel declines bfloat16 (and odd K), and torch takes it: oneDNN where
-    it runs bfloat16 on this CPU, else torch's plain linear (oneDNN's weight reorder raises there)."""
+    """Built without AVX512-BF16 (and AMX) the kernel declines bfloat16, and torch takes it: oneDNN where it
+    runs bfloat16 on this CPU, else torch's plain linear (oneDNN's weight reorder raises there). Odd K:
+    AVX512-BF16 declines it (AMX takes it, through a zero-padded tail: tested above)."""
     weight = torch.randn(96, 64).bfloat16()
     x = torch.randn(5, 64).bfloat16()
     portable = Linear(weight, None, pack=True, kernel=kernel("no-avx512bf16"))
-    odd = Linear(torch.randn(96, 63).bfloat16(), None, pack=True, kernel=kernel())
+    odd = Linear(torch.randn(96, 63).bfloat16(), None, pack=True, kernel=kernel("no-amx" if HAS_AMX else "native"))
     for linear in (portable, odd):
         assert linear.kernel is None and linear.packed == onednn_takes(torch.bfloat16)
     torch.testing.assert_close(portable(x), F.linear(x, weight), rtol=1 / 64, atol=1e-2)
 
 
-@builds
+@pytest.mark.parametrize("build", [*BUILDS, *(["no-amx"] if HAS_AMX else [])])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("intermediate", "hidden"), [(1536, 576), (100, 64)])
 def test_gated_linear_is_the_fused_linear_then_silu_mul(build: str, dtype: torch.dtype, intermediate: int,
                                                         hidden: int) -> None:
     """The MLP input in one pass (SiLU-and-multiply as the GEMM's epilogue) gives the same bits as the
-    fused gate|up linear layer followed by silu_mul, for every row-group split and a partial last panel."""
-    if dtype == torch.bfloat16 and not (HAS_AVX512_BF16 and build == "native"):
-        pytest.skip("the bfloat16 linear kernel needs an AVX512-BF16 CPU and build (declining is tested above)")
+    fused gate|up linear layer followed by silu_mul, for every row-group split and a partial last panel
+    (bfloat16: on AMX tiles and on AVX512-BF16)."""
+    if dtype == torch.bfloat16 and build not in BF16_LINEAR_BUILDS:
+        pytest.skip("the bfloat16 linear kernel needs an AMX or AVX512-BF16 CPU and build (declining is tested "
+                    "above)")
+    if dtype == torch.float32 and build not in BUILDS:
+        pytest.skip("the no-amx build's float32 code is the native one")
     torch.manual_seed(intermediate)
     gate, up = (torch.nn.Linear(hidden, intermediate, bias=False).to(dtype) for _ in range(2))
     ops = _ops(dtype, build)

@@ -17,7 +17,7 @@ from bulkgen.engine.cpu import paths as cpu_paths
 from bulkgen.engine.engine import Engine
 from bulkgen.errors import ConfigError
 from bulkgen.model import ModelShape
-from tests.builds import BUILDS, HAS_AVX512_BF16, kernel
+from tests.builds import BUILDS, HAS_AMX, HAS_AVX512_BF16, kernel
 from tests.helpers import invoke_json, write_parquet
 from tests.zygote import run_bulkgen
 
@@ -78,13 +78,13 @@ def test_forced_paths_and_what_c_cannot_take(tmp_path: Path, monkeypatch: pytest
     assert "not float16" in half.families["linear"].reason and half.families["sampler"].reason.startswith("measured")
     with pytest.raises(ConfigError, match="asks for small_ops in C, but the C kernels take float32 and bfloat16"):
         choose(kernel(), torch.float16, TINY, {"small_ops": "c"}, "--kernels small_ops=c")
-    # the C bfloat16 linear layers need AVX512-BF16: a build without it declines them, forced or not
+    # the C bfloat16 linear layers need AMX or AVX512-BF16: a build without them declines them, forced or not
     for build in BUILDS:
-        if build == "native" and HAS_AVX512_BF16:
+        if build == "native" and (HAS_AVX512_BF16 or HAS_AMX):
             continue
         bf16 = choose(kernel(build), torch.bfloat16, TINY, {"attention": "c"}, "test")
         assert not bf16.families["linear"].use_c and "AVX512-BF16" in bf16.families["linear"].reason
-        with pytest.raises(ConfigError, match="linear in C, but the C bfloat16 linear layers need AVX512-BF16"):
+        with pytest.raises(ConfigError, match="linear in C, but the C bfloat16 linear layers need AMX, or AVX512-BF16"):
             choose(kernel(build), torch.bfloat16, TINY, {"linear": "c"}, "--kernels c")
     # the lean forward not running: the linear families are not used, whatever is asked
     hf = choose(kernel(), torch.float32, TINY, dict.fromkeys(KERNEL_FAMILIES, "c"), "--kernels c", lean=False)

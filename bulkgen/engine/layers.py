@@ -66,17 +66,15 @@ def onednn_takes(dtype: torch.dtype) -> bool:
 
 
 def kernel_takes(kernel: Kernels | None, weight: torch.Tensor) -> bool:
-    """Whether our C linear layers run this weight: float32, and bfloat16 where the CPU has AVX512-BF16."""
-    return kernel is not None and weight.device.type == "cpu" and (
-        weight.dtype == torch.float32
-        or weight.dtype == torch.bfloat16 and bool(kernel.linear_bf16_available(K=weight.shape[1])))
+    """Whether our C linear layers run this weight: float32, and bfloat16 on AMX tiles or AVX512-BF16."""
+    return kernel is not None and weight.device.type == "cpu" and kernel.linear_takes(weight.dtype, weight.shape[1])
 
 
 def pack_weight(kernel: Kernels, weight: torch.Tensor) -> torch.Tensor:
     """weight [N, K] in the C linear layers' panels."""
     pack = kernel.typed("pack_linear", weight.dtype)
     n, k = weight.shape
-    out = torch.empty(kernel.linear_packed_size(N=n, K=k), dtype=weight.dtype)
+    out = torch.empty(kernel.packed_size(weight.dtype, N=n, K=k), dtype=weight.dtype)
     pack(w=weight.contiguous().data_ptr(), N=n, K=k, out=out.data_ptr(), num_threads=torch.get_num_threads())
     return out
 

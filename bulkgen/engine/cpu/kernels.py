@@ -30,7 +30,7 @@ from bulkgen.engine.cpu.machine import cpu_flags_line
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("paged_attention.c", "ops.c", "gemm.c", "sampling.c")
+SOURCES = ("paged_attention.c", "ops.c", "gemm.c", "amx.c", "sampling.c")
 HEADERS = ("vec.h",)
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 NO_KERNEL_ENV = "BULKGEN_NO_KERNEL"
@@ -73,6 +73,8 @@ SIGNATURES: dict[str, tuple[type | None, str]] = {
     "linear_silu_mul_f32": (None, _SILU_LINEAR), "linear_silu_mul_bf16": (None, _SILU_LINEAR),
     "linear_packed_size": (_I64, "N:i64 K:i64"),
     "linear_bf16_available": (_I, "K:i64"),
+    "pack_linear_amx": (None, _PACK), "linear_amx": (None, _LINEAR), "linear_silu_mul_amx": (None, _SILU_LINEAR),
+    "amx_packed_size": (_I64, "N:i64 K:i64"), "amx_available": (_I, ""),
     "kernel_isa_ok": (_I, ""),
 }
 
@@ -88,6 +90,11 @@ def named(function: ctypes._CFuncPtr, name: str, params: list[tuple[str, type]])
     return namespace[name]
 
 
+# The bfloat16 linear layers on AMX tiles (amx.c), where the library was built with AMX and Linux grants
+# the process the tiles' state: they take the place of the AVX512-BF16 ones (gemm.c), layout included.
+AMX_LINEAR = {"linear": "linear_amx", "pack_linear": "pack_linear_amx", "linear_silu_mul": "linear_silu_mul_amx"}
+
+
 class Kernels:
     """The loaded library: each function of SIGNATURES as an attribute taking its arguments by name."""
 
@@ -98,11 +105,30 @@ class Kernels:
             function = getattr(library, name)
             function.restype, function.argtypes = restype, [kind for _, kind in params]
             setattr(self, name, named(function, name, params))
+        self.amx = bool(self.amx_available())
 
     def typed(self, name: str, dtype: object) -> Callable[..., Any]:
-        """The float32 (`NAME_f32`) or bfloat16 (`NAME_bf16`) version of a kernel, for a torch dtype: the one
-        place the element type picks the C function."""
-        return getattr(self, f"{name}_{'f32' if str(dtype) == 'torch.float32' else 'bf16'}")
+        """The float32 (`NAME_f32`) or bfloat16 (`NAME_bf16`, or its AMX version) version of a kernel, for
+        a torch dtype: the one place the element type picks the C function."""
+        if str(dtype) == "torch.float32":
+            return getattr(self, f"{name}_f32")
+        return getattr(self, AMX_LINEAR[name] if self.amx and name in AMX_LINEAR else f"{name}_bf16")
+
+    def linear_takes(self, dtype: object, K: int) -> bool:
+        """Whether the C linear layers run a weight of this dtype with K inputs: float32 always; bfloat16 on
+        AMX tiles, or with AVX512-BF16 and K even."""
+        return str(dtype) == "torch.float32" or str(dtype) == "torch.bfloat16" and (
+            self.amx or bool(self.linear_bf16_available(K=K)))
+
+    def packed_size(self, dtype: object, N: int, K: int) -> int:
+        """Elements of an [N, K] weight packed for the C linear layers (pack_linear)."""
+        if self.amx and str(dtype) == "torch.bfloat16":
+            return self.amx_packed_size(N=N, K=K)
+        return self.linear_packed_size(N=N, K=K)
+
+    def linear_name(self, dtype: object) -> str:
+        """What the C linear layers compute with, for logs: 'AMX tiles', 'AVX512-BF16' or '' (float32)."""
+        return "" if str(dtype) == "torch.float32" else "AMX tiles" if self.amx else "AVX512-BF16"
 
 
 def load_cpu_kernels(extra_flags: tuple[str, ...] = ()) -> Kernels | None:

@@ -140,9 +140,9 @@ def _why_not_c(kernel: Kernels, family: str, dtype: torch.dtype, shape: ModelSha
     if dtype not in DTYPE_CODES:
         return f"the C kernels take float32 and bfloat16, not {str(dtype).removeprefix('torch.')}"
     if family in ("linear", "gated_mlp"):
-        if dtype == torch.bfloat16 and not all(kernel.linear_bf16_available(K=k) for k in
-                                               (shape.hidden, shape.intermediate, shape.num_heads * shape.head_dim)):
-            return "the C bfloat16 linear layers need AVX512-BF16 and even input sizes"
+        if not all(kernel.linear_takes(dtype, k) for k in
+                   (shape.hidden, shape.intermediate, shape.num_heads * shape.head_dim)):
+            return "the C bfloat16 linear layers need AMX, or AVX512-BF16 and even input sizes"
     return None
 
 
@@ -169,7 +169,9 @@ def _race_cached(kernel: Kernels, dtype: torch.dtype, shape: ModelShape, block_s
     out = {}
     for family in racing:
         c_s, torch_s = timings[family]
-        faster = f"C {torch_s / c_s:.2f}x torch" if c_s <= torch_s else f"torch {c_s / torch_s:.2f}x C"
+        with_ = kernel.linear_name(dtype) if family in ("linear", "gated_mlp") else ""
+        c = f"C ({with_})" if with_ else "C"
+        faster = f"{c} {torch_s / c_s:.2f}x torch" if c_s <= torch_s else f"torch {c_s / torch_s:.2f}x {c}"
         out[family] = FamilyPath(c_s <= torch_s,
                                  f"measured: {faster}, {c_s * 1e6:.1f} vs {torch_s * 1e6:.1f} us a token")
     return out, note

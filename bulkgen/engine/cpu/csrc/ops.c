@@ -146,6 +146,12 @@ int kernel_isa_ok(void) {
 #ifdef __AVX512BF16__
     NEED("avx512bf16");
 #endif
+#ifdef __AMX_TILE__
+    NEED("amx-tile");
+#endif
+#ifdef __AMX_BF16__
+    NEED("amx-bf16");
+#endif
 #undef NEED
     return 1;
 }

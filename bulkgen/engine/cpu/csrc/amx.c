@@ -1,0 +1,269 @@
+/*
+ * bfloat16 linear layers on AMX tiles (Intel Sapphire Rapids and later): y = x W^T (+ b), and the MLP's
+ * silu(x Wg^T) * (x Wu^T), float32 sums rounded to bfloat16 once, as gemm.c's bfloat16 layers and
+ * oneDNN's do.
+ *
+ * One TDPBF16PS multiplies a 16 x 32 tile of x by a 32 x 16 tile of W (16 x 16 x 32 products) into a
+ * 16 x 16 float32 tile: 16 times the work of an AVX512-BF16 instruction. The kernel holds a 32 x 32 block
+ * of outputs in four tiles (two tiles of 16 rows of x against two blocks of 16 columns of W), and for
+ * each 32 values of k loads the two x tiles and the two W tiles once (8 tiles: all the machine has).
+ *
+ * Layout: W [N, K] is packed once into blocks of 16 output columns, [ceil(N/16)][Kp/2][16][2] with Kp =
+ * K rounded up to 32 (zeros past K and past N): for each pair of k, a column's two weights side by side,
+ * so that a tile of 16 pairs of k is 16 rows of 64 bytes, contiguous. A block streams from memory in one
+ * run. x is read in place (rows of K values); a k tail shorter than 32 goes through a zero-padded copy.
+ * Fewer than 16 rows: the tiles are configured with that many rows.
+ *
+ * Threads split pairs of column blocks; each walks its pairs, and for each pair every group of 32 rows
+ * (the pair's 2 x 16 x Kp weights stay in L2 while the rows pass). Linux gives a process the tiles' state
+ * only when asked (arch_prctl ARCH_REQ_XCOMP_PERM); amx_available() asks once and says whether it was
+ * granted, and is 0 where the library was built without AMX: the callers keep the other bfloat16 paths.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "vec.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_GET_XCOMP_PERM 0x1022
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+int amx_available(void) {
+    static int state = -1; /* asked once; a race between two first callers asks twice, harmlessly */
+    if (state < 0) {
+        unsigned long mask = 0;
+        __builtin_cpu_init();
+        state = __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16")
+                && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0
+                && syscall(SYS_arch_prctl, ARCH_GET_XCOMP_PERM, &mask) == 0
+                && (mask & (1UL << XFEATURE_XTILEDATA));
+    }
+    return state;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* Tiles: 0, 1 sums of rows 0-15 against blocks b0, b1; 2, 3 the same for rows 16-31; 4, 5 x's two
+ * row tiles; 6, 7 the weight tiles. Always 16 rows: x's tiles are copied, zero-padded to 32 rows. */
+static void configure(int m0, int m1) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    int rows[8] = {m0, m0, m1, m1, m0, m1, 16, 16};
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = (uint8_t)rows[t];
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+static inline int64_t padded_k(int64_t K) { return (K + 31) / 32 * 32; }
+
+/* Elements of the packed form of an [N, K] weight. */
+int64_t amx_packed_size(int64_t N, int64_t K) { return (N + 15) / 16 * 16 * padded_k(K); }
+
+void pack_linear_amx(const uint16_t *w, int64_t N, int64_t K, uint16_t *out, int num_threads) {
+    int64_t Kp = padded_k(K), blocks = (N + 15) / 16;
+    #pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t b = 0; b < blocks; b++)
+        for (int64_t kp = 0; kp < Kp / 2; kp++)
+            for (int j = 0; j < 16; j++)
+                for (int t = 0; t < 2; t++) {
+                    int64_t n = b * 16 + j, k = 2 * kp + t;
+                    out[(b * (Kp / 2) + kp) * 32 + 2 * j + t] = n < N && k < K ? w[n * K + k] : 0;
+                }
+}
+
+/*
+ * Rows x[0 .. rows) (row stride K) copied into tiles: [rows / 32 groups][Kp / 32][2][16][32], zeros past K
+ * and past `rows` (a tile's rows are then 64 bytes apart: read in place, rows K values apart alias in L1
+ * once K is a multiple of 2,048 and ran at 0.6x). Into a buffer of this thread's, grown as needed.
+ */
+static const uint16_t *tiles_of(const uint16_t *x, int64_t K, int64_t rows) {
+    static __thread uint16_t *buffer;
+    static __thread size_t capacity;
+    int64_t Kp = padded_k(K), groups = (rows + 31) / 32;
+    size_t need = (size_t)(groups * 32 * Kp);
+    if (need > capacity) {
+        free(buffer);
+        buffer = aligned_alloc(64, need * sizeof *buffer);
+        capacity = buffer ? need : 0;
+        if (!buffer)
+            return 0;
+    }
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t kb = 0; kb < Kp / 32; kb++)
+            for (int h = 0; h < 2; h++) {
+                uint16_t *tile = buffer + ((g * (Kp / 32) + kb) * 2 + h) * 512;
+                for (int r = 0; r < 16; r++) {
+                    int64_t row = g * 32 + h * 16 + r, k0 = kb * 32, n = K - k0 < 32 ? K - k0 : 32;
+                    if (row < rows) {
+                        memcpy(tile + r * 32, x + row * K + k0, (size_t)n * sizeof *tile);
+                        if (n < 32)
+                            memset(tile + r * 32 + n, 0, (size_t)(32 - n) * sizeof *tile);
+                    } else {
+                        memset(tile + r * 32, 0, 32 * sizeof *tile);
+                    }
+                }
+            }
+    return buffer;
+}
+
+/* c [32][32] float32 (+)= 32 rows in tiles (tiles_of: [Kp / 32][2][16][32]) times blocks b0 and b1 (each
+ * [Kp/2][16][2]) over the k blocks [k0, k1); from zero where `first`, else on the sums in c. two: the
+ * second 16 rows hold any rows (else only the first 16 are computed). */
+static void block_product(const uint16_t *a, int64_t k0, int64_t k1, int two, const uint16_t *b0,
+                          const uint16_t *b1, float *c, int first) {
+    if (first) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+    } else {
+        _tile_loadd(0, c, 128);
+        _tile_loadd(1, c + 16, 128);
+        _tile_loadd(2, c + 16 * 32, 128);
+        _tile_loadd(3, c + 16 * 32 + 16, 128);
+    }
+    if (two) {
+        for (int64_t kb = k0; kb < k1; kb++) {
+            _tile_loadd(6, b0 + kb * 512, 64);
+            _tile_loadd(4, a + kb * 1024, 64);
+            _tile_loadd(7, b1 + kb * 512, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_loadd(5, a + kb * 1024 + 512, 64);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    } else {
+        for (int64_t kb = k0; kb < k1; kb++) {
+            _tile_loadd(4, a + kb * 1024, 64);
+            _tile_loadd(6, b0 + kb * 512, 64);
+            _tile_loadd(7, b1 + kb * 512, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+        }
+    }
+    _tile_stored(0, c, 128);
+    _tile_stored(1, c + 16, 128);
+    _tile_stored(2, c + 16 * 32, 128);
+    _tile_stored(3, c + 16 * 32 + 16, 128);
+}
+
+/* Rounds n (<= 16) float32 sums (+ bias, bfloat16) to bfloat16 at out. */
+static inline void round_out(const float *sums, const uint16_t *bias, uint16_t *out, int n) {
+    if (n == 16 && !bias) {
+        vstore(out, 0, vload_f32(sums), 1);
+        return;
+    }
+    for (int j = 0; j < n; j++)
+        out[j] = f32_to_bf16(bias ? sums[j] + bf16_to_f32(bias[j]) : sums[j]);
+}
+
+/*
+ * The driver of both layers. Threads split units of two column blocks (the next block of the same weight
+ * for a plain layer; the same block of the gate and of the up weight for the gated one). A thread takes
+ * its rows in groups whose tiles stay in L2 (~1 MB), and for each unit walks k in chunks of KCHUNK blocks
+ * (the unit's weights of a chunk, 32 KB, stay in L1 while every 32 rows of the group pass), the sums of
+ * the group kept in c between chunks. silu: the gated layer's epilogue.
+ */
+#define KCHUNK 16
+
+static void run_blocks(const uint16_t *x, int64_t M, int64_t K, const uint16_t *packed, int64_t N,
+                       const uint16_t *bias, uint16_t *y, int num_threads, int silu) {
+    if (M <= 0 || N <= 0)
+        return;
+    int64_t Kp = padded_k(K), kblocks = Kp / 32, block = Kp * 16, blocks = (N + 15) / 16;
+    int64_t units = silu ? blocks : (blocks + 1) / 2;
+    int64_t chunks = (kblocks + KCHUNK - 1) / KCHUNK, chunk = (kblocks + chunks - 1) / chunks;
+    int64_t group = (1 << 20) / (Kp * 2) / 32 * 32;
+    group = group < 32 ? 32 : group > M ? (M + 31) / 32 * 32 : group;
+    #pragma omp parallel num_threads(num_threads)
+    {
+        static __thread float *sums;
+        static __thread int64_t sums_size;
+        uint16_t gate[16], up[16];
+        int nt = omp_get_num_threads(), me = omp_get_thread_num();
+        int64_t first = units * me / nt, last = units * (me + 1) / nt;
+        if (sums_size < group * 32) {
+            free(sums);
+            sums = aligned_alloc(64, (size_t)group * 32 * sizeof *sums);
+            sums_size = sums ? group * 32 : 0;
+        }
+        if (first < last && sums)
+            configure(16, 16);
+        for (int64_t g0 = 0; g0 < M && first < last && sums; g0 += group) {
+            int64_t rows = M - g0 < group ? M - g0 : group;
+            const uint16_t *a = tiles_of(x + g0 * K, K, rows);
+            if (!a)
+                break;
+            for (int64_t u = first; u < last; u++) {
+                int64_t b0 = silu ? u : 2 * u, b1 = silu ? blocks + u : (2 * u + 1 < blocks ? 2 * u + 1 : 2 * u);
+                for (int64_t k0 = 0; k0 < kblocks; k0 += chunk) {
+                    int64_t k1 = k0 + chunk < kblocks ? k0 + chunk : kblocks;
+                    for (int64_t r = 0; r < rows; r += 32)
+                        block_product(a + r * Kp, k0, k1, rows - r > 16, packed + b0 * block, packed + b1 * block,
+                                      sums + r * 32, k0 == 0);
+                }
+                for (int64_t r = 0; r < rows; r++) {
+                    uint16_t *out = y + (g0 + r) * N;
+                    const float *c = sums + r * 32;
+                    if (silu) {
+                        int n = N - u * 16 < 16 ? (int)(N - u * 16) : 16;
+                        round_out(c, 0, gate, 16);
+                        round_out(c + 16, 0, up, 16);
+                        silu_mul_span(gate, up, out + u * 16, n, 1);
+                    } else {
+                        for (int h = 0; h < 2 && 2 * u + h < blocks; h++) {
+                            int64_t col = (2 * u + h) * 16;
+                            int n = N - col < 16 ? (int)(N - col) : 16;
+                            round_out(c + 16 * h, bias ? bias + col : 0, out + col, n);
+                        }
+                    }
+                }
+            }
+        }
+        if (first < last)
+            _tile_release();
+    }
+}
+
+/* y [M, N] = x [M, K] (contiguous rows) times the packed weight (pack_linear_amx), plus bias [N] or NULL. */
+void linear_amx(const uint16_t *x, int64_t M, int64_t K, const uint16_t *packed, int64_t N, const uint16_t *bias,
+                uint16_t *y, int num_threads) {
+    run_blocks(x, M, K, packed, N, bias, y, num_threads, 0);
+}
+
+/* out [M, n] = silu(x Wg^T) * (x Wu^T); packed: pack_linear_amx of Wg [n, K], then of Wu [n, K]. */
+void linear_silu_mul_amx(const uint16_t *x, int64_t M, int64_t K, const uint16_t *packed, int64_t n, uint16_t *out,
+                         int num_threads) {
+    run_blocks(x, M, K, packed, n, 0, out, num_threads, 1);
+}
+
+#else
+int amx_available(void) { return 0; }
+int64_t amx_packed_size(int64_t N, int64_t K) { (void)N; (void)K; return 0; }
+void pack_linear_amx(const uint16_t *w, int64_t N, int64_t K, uint16_t *out, int num_threads) {
+    (void)w; (void)N; (void)K; (void)out; (void)num_threads;
+}
+void linear_amx(const uint16_t *x, int64_t M, int64_t K, const uint16_t *packed, int64_t N, const uint16_t *bias,
+                uint16_t *y, int num_threads) {
+    (void)x; (void)M; (void)K; (void)packed; (void)N; (void)bias; (void)y; (void)num_threads;
+}
+void linear_silu_mul_amx(const uint16_t *x, int64_t M, int64_t K, const uint16_t *packed, int64_t n, uint16_t *out,
+                         int num_threads) {
+    (void)x; (void)M; (void)K; (void)packed; (void)n; (void)out; (void)num_threads;
+}
+#endif
