@@ -17,8 +17,8 @@ from bulkgen.engine.attention import (
     k_block_shape,
     write_kv,
 )
-from bulkgen.engine.cpu.attention import decode_c
-from tests.builds import HAS_AVX512_BF16, builds, kernel
+from bulkgen.engine.cpu.attention import decode_c, prefill_c
+from tests.builds import HAS_AMX, HAS_AVX512_BF16, builds, kernel
 
 
 @builds
@@ -232,3 +232,43 @@ def test_windows_softcaps_and_sinks_match_their_definition(build: str, dtype: to
                               write_kernel=library, num_threads=2)
             got = attend(meta, 0, query, keys[start:], values[start:], scale, layer).float()
             assert torch.allclose(got, want, atol=tolerance), (start, num_tokens, library, (got - want).abs().max())
+
+
+@pytest.mark.skipif(not HAS_AMX, reason="AMX tiles need an Intel Xeon of the 4th generation or later (the other "
+                                        "prefill kernels are tested on every CPU)")
+@pytest.mark.parametrize("head_dim,block_size,group", [(64, 32, 3), (128, 64, 4), (64, 16, 2)])
+@pytest.mark.parametrize("start,num_tokens", [(0, 1), (0, 200), (40, 17), (333, 50)])
+def test_prefill_on_amx_tiles_matches_the_definition(head_dim: int, block_size: int, group: int, start: int,
+                                                     num_tokens: int) -> None:
+    """bfloat16 prefill on AMX tiles (16 query rows of a head a tile, 32 keys a step, K's tiles straight from
+    its blocks): within torch's own bfloat16 error of the float64 definition, chunks fresh and after cached
+    tokens, partial tiles and steps, the cache's unwritten slots NaN (they must not leak). Blocks of 16
+    tokens are not its shape: it declines them (status 2) and the other kernel answers."""
+    torch.manual_seed(start + num_tokens + head_dim)
+    dtype, kv_heads, num_blocks = torch.bfloat16, 2, 24
+    table, positions, slots_all, keys, values, query = prefill_case(start, num_tokens, num_blocks, block_size,
+                                                                    kv_heads, group, head_dim, dtype)
+    k = torch.full((num_blocks, *k_block_shape(kv_heads, head_dim, block_size, dtype)), float("nan"), dtype=dtype)
+    v = torch.full((num_blocks, kv_heads, block_size, head_dim), float("nan"), dtype=dtype)
+    library = kernel()
+    write_kv(write_meta(k, v, slots_all, block_size), keys, values, k, v)
+    chunk = PrefillChunk(offset=0, num_tokens=num_tokens, start=start, block_table=table)
+    meta = write_meta(k, v, slots_all[:0], block_size, prefills=[chunk], prefill_kernel=library, num_threads=2)
+    scale = head_dim ** -0.5
+    got = prefill_c(meta, query, k, v, chunk, scale, FULL)
+    out = torch.empty_like(query)
+    status = library.paged_prefill_amx(q=query.data_ptr(), k_cache=k.data_ptr(), v_cache=v.data_ptr(),
+                                       table=table.data_ptr(), start=start, n=num_tokens, out=out.data_ptr(),
+                                       num_heads=kv_heads * group, num_kv_heads=kv_heads, head_dim=head_dim,
+                                       block_size=block_size, scale=scale, num_threads=2)
+    assert status == (2 if block_size % 32 else 0)
+    want = explicit_attention(query, keys, values, positions[start:], scale, FULL)
+    mask = positions[start:, None] >= positions[None, :]
+    torch_own = torch.nn.functional.scaled_dot_product_attention(
+        query.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None], attn_mask=mask,
+        scale=scale, enable_gqa=True)[0].transpose(0, 1)
+    assert not got.isnan().any()
+    bound = 1.5 * (torch_own.double() - want).abs().max().item() + 1e-3
+    assert (got.double() - want).abs().max().item() <= bound
+    if status == 0:
+        assert torch.equal(out, got)

@@ -135,7 +135,7 @@ def test_bfloat16_kernels_agree_with_torch(tiny_llama64_dir: Path, monkeypatch: 
     for kernels in (c_kernels, "torch"):
         config = EngineConfig(kv_cache_memory=s["kv_tokens"] * KV_BYTES_PER_TOKEN["llama64"] // 2,
                               max_num_batched_tokens=s["max_num_batched_tokens"], kernels=kernels,
-                              max_num_seqs=64, block_size=16, dtype="bfloat16")
+                              max_num_seqs=64, block_size=32, dtype="bfloat16")
         engine = Engine(tiny_llama64_dir, config)
         for i, (prompt, max_new) in enumerate(WORKLOAD):
             engine.add(i, prompt, SamplingParams(max_new_tokens=max_new))

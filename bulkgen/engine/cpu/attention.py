@@ -30,13 +30,28 @@ def decode_c(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor, v_
 
 def prefill_c(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
               chunk: PrefillChunk, scale: float, layer: LayerAttention) -> torch.Tensor:
-    """A prefill chunk's attention in C: rows in tiles sharing each K/V block load where the vectorised
-    kernel applies, else row by row (each row a decode with its own context length)."""
+    """A prefill chunk's attention in C: on AMX tiles where they apply (bfloat16, plain attention), else rows
+    in tiles sharing each K/V block load where the vectorised kernel applies, else row by row (each row a
+    decode with its own context length)."""
+    kernel = meta.prefill_kernel
+    if kernel.amx and q.dtype == torch.bfloat16 and layer.plain and not layer.window:
+        q16 = q.contiguous()
+        out16 = torch.empty_like(q16)
+        num_rows, num_heads, head_dim = q16.shape
+        _, num_kv_heads, block_size, _ = v_cache.shape
+        status = kernel.paged_prefill_amx(
+            q=q16.data_ptr(), k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr(),
+            table=chunk.block_table.data_ptr(), start=chunk.start, n=num_rows, out=out16.data_ptr(),
+            num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size, scale=scale,
+            num_threads=meta.num_threads)
+        if status == 1:
+            raise MemoryError("paged attention kernel could not allocate its scratch buffer")
+        if status == 0:
+            return out16
     q32 = q.to(torch.float32).contiguous()
     out = torch.empty_like(q32)
     num_rows, num_heads, head_dim = q32.shape
     _, num_kv_heads, block_size, _ = v_cache.shape
-    kernel = meta.prefill_kernel
     function = kernel.typed("paged_prefill", k_cache.dtype)
     status = function(q=q32.data_ptr(), k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr(),
                       table=chunk.block_table.data_ptr(), start=chunk.start, n=num_rows, out=out.data_ptr(),

@@ -75,6 +75,8 @@ SIGNATURES: dict[str, tuple[type | None, str]] = {
     "linear_bf16_available": (_I, "K:i64"),
     "pack_linear_amx": (None, _PACK), "linear_amx": (None, _LINEAR), "linear_silu_mul_amx": (None, _SILU_LINEAR),
     "amx_packed_size": (_I64, "N:i64 K:i64"), "amx_available": (_I, ""),
+    "paged_prefill_amx": (_I, "q:p k_cache:p v_cache:p table:p start:i n:i out:p num_heads:i num_kv_heads:i "
+                              "head_dim:i block_size:i scale:f num_threads:i"),
     "kernel_isa_ok": (_I, ""),
 }
 

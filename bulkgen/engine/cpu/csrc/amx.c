@@ -19,6 +19,7 @@
  * only when asked (arch_prctl ARCH_REQ_XCOMP_PERM); amx_available() asks once and says whether it was
  * granted, and is 0 where the library was built without AMX: the callers keep the other bfloat16 paths.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -252,8 +253,169 @@ void linear_silu_mul_amx(const uint16_t *x, int64_t M, int64_t K, const uint16_t
     run_blocks(x, M, K, packed, n, 0, out, num_threads, 1);
 }
 
+/*
+ * Prefill attention on AMX tiles, bfloat16: query rows start .. start + n - 1 of one sequence (q, out:
+ * [n, num_heads, head_dim], bfloat16), each attending causally to the sequence's blocks in `table` (the
+ * chunk's own K/V already written). Plain attention only (no window, softcap or sinks), head_dim 64 or
+ * 128, blocks of a multiple of 32 tokens; returns 2 otherwise (the caller keeps the other kernels), 1
+ * where a buffer could not be had.
+ *
+ * Work item: 16 query rows of one head. Pass 1: scores of all visible keys, 16 rows x 32 keys a step
+ * (the query tiles stay in tiles; K's tiles load straight from its blocks, whose dims are already in
+ * pairs: [head_dim / 2][block_size][2]). Softmax per row in float32: exp(score - max), rounded to
+ * bfloat16 for P.V, the sum of the unrounded ones divides the output (as torch's flash kernel does). Pass 2: P.V into 4 tiles of 16 dims (two
+ * sweeps at head_dim 128), V of the context first copied once per call into the tiles' pairs of keys
+ * ([key pairs][16 dims][2]), zeros past the context (a cache slot never written may hold a NaN).
+ */
+static inline float hmax(__m512 v) { return _mm512_reduce_max_ps(v); }
+
+int paged_prefill_amx(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *table,
+                      int start, int n, uint16_t *out, int num_heads, int num_kv_heads, int head_dim,
+                      int block_size, float scale, int num_threads) {
+    const int group = num_heads / num_kv_heads;
+    if (!amx_available() || (head_dim != 64 && head_dim != 128) || block_size % 32 != 0
+        || group * num_kv_heads != num_heads || n <= 0)
+        return 2;
+    const int ctx = start + n, steps = (ctx + 31) / 32, ctx_pad = steps * 32, dims = head_dim / 32;
+    const int64_t head_stride = (int64_t)block_size * head_dim, block_stride = num_kv_heads * head_stride;
+    /* V of every KV head in pairs of keys: [kv_head][step][head_dim / 16][16 pairs][16 dims][2] */
+    const int64_t v_step = 32 * (int64_t)head_dim;
+    uint16_t *vp = aligned_alloc(64, (size_t)(num_kv_heads * steps * v_step) * sizeof *vp);
+    if (!vp)
+        return 1;
+    int failed = 0;
+    const int tiles = (n + 15) / 16;
+    #pragma omp parallel num_threads(num_threads)
+    {
+        #pragma omp for schedule(static) collapse(2)
+        for (int kh = 0; kh < num_kv_heads; kh++)
+            for (int st = 0; st < steps; st++) {
+                uint16_t *dst = vp + (kh * (int64_t)steps + st) * v_step;
+                const int key0 = st * 32;
+                const uint16_t *src = v_cache + table[key0 / block_size] * block_stride + kh * head_stride
+                                      + (int64_t)(key0 % block_size) * head_dim;
+                for (int pair = 0; pair < 16; pair++)
+                    for (int t = 0; t < 2; t++) {
+                        int key = key0 + 2 * pair + t;
+                        for (int d = 0; d < head_dim; d++)
+                            dst[((d / 16) * 16 + pair) * 32 + (d % 16) * 2 + t] =
+                                key < ctx ? src[(int64_t)(2 * pair + t) * head_dim + d] : 0;
+                    }
+            }
+        float *scores = aligned_alloc(64, sizeof(float) * (size_t)(16 * ctx_pad + 16 * 128));
+        uint16_t *probs = aligned_alloc(64, sizeof(uint16_t) * (size_t)(16 * ctx_pad + 16 * 128));
+        float *o = scores + 16 * ctx_pad;
+        uint16_t *qt = probs + 16 * ctx_pad;
+        if (!scores || !probs) {
+            #pragma omp atomic write
+            failed = 1;
+        } else {
+            configure(16, 16);
+        }
+        #pragma omp for schedule(dynamic, 1)
+        for (int item = 0; item < num_heads * tiles; item++) {
+            if (!scores || !probs)
+                continue;
+            const int h = item % num_heads, r0 = (tiles - 1 - item / num_heads) * 16; /* longest first */
+            const int rows = n - r0 < 16 ? n - r0 : 16, kh = h / group;
+            const int visible = start + r0 + rows, last_step = (visible + 31) / 32;
+            float inv_sum[16];
+            /* the query tile: [dims][16 rows][32], zero rows past n */
+            for (int c = 0; c < dims; c++)
+                for (int r = 0; r < 16; r++) {
+                    uint16_t *row = qt + (c * 16 + r) * 32;
+                    if (r < rows)
+                        memcpy(row, q + ((int64_t)(r0 + r) * num_heads + h) * head_dim + c * 32, 64);
+                    else
+                        memset(row, 0, 64);
+                }
+            for (int st = 0; st < last_step; st++) {
+                const int key0 = st * 32;
+                const uint16_t *kb = k_cache + table[key0 / block_size] * block_stride + kh * head_stride
+                                     + (int64_t)(key0 % block_size) * 2;
+                _tile_zero(0);
+                _tile_zero(1);
+                for (int c = 0; c < dims; c++) {
+                    /* 16 pairs of dims (rows block_size * 2 values apart) x 16 keys x 2 */
+                    _tile_loadd(4, qt + c * 16 * 32, 64);
+                    _tile_loadd(2, kb + (int64_t)c * 16 * block_size * 2, block_size * 4);
+                    _tile_loadd(3, kb + (int64_t)c * 16 * block_size * 2 + 32, block_size * 4);
+                    _tile_dpbf16ps(0, 4, 2);
+                    _tile_dpbf16ps(1, 4, 3);
+                }
+                _tile_stored(0, scores + key0, ctx_pad * 4);
+                _tile_stored(1, scores + key0 + 16, ctx_pad * 4);
+            }
+            for (int r = 0; r < 16; r++) {
+                float *sr = scores + (int64_t)r * ctx_pad;
+                uint16_t *pr = probs + (int64_t)r * ctx_pad;
+                const int seen = r < rows ? start + r0 + r + 1 : 0; /* keys this row sees */
+                __m512 mx = _mm512_set1_ps(-INFINITY);
+                for (int t = 0; t < seen; t += 16) {
+                    __mmask16 m = seen - t >= 16 ? 0xffff : (__mmask16)((1u << (seen - t)) - 1);
+                    mx = _mm512_mask_max_ps(mx, m, mx, _mm512_maskz_loadu_ps(m, sr + t));
+                }
+                const float top = seen ? hmax(mx) * scale : 0.0f;
+                __m512 sum = _mm512_setzero_ps();
+                int t = 0;
+                for (; t < seen; t += 16) {
+                    __mmask16 m = seen - t >= 16 ? 0xffff : (__mmask16)((1u << (seen - t)) - 1);
+                    vf x = (vf)_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(sr + t), _mm512_set1_ps(scale)),
+                                            _mm512_set1_ps(top));
+                    __m512 e = _mm512_maskz_mov_ps(m, (__m512)vexp(x));
+                    sum = _mm512_add_ps(sum, e);
+                    vstore(pr, t, (vf)e, 1);
+                }
+                for (; t < last_step * 32; t += 16)
+                    memset(pr + t, 0, 32);
+                inv_sum[r] = seen ? 1.0f / _mm512_reduce_add_ps(sum) : 0.0f;
+            }
+            for (int half = 0; half < head_dim / 64; half++) {
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                const uint16_t *vh = vp + (int64_t)kh * steps * v_step + half * 4 * 512;
+                for (int st = 0; st < last_step; st++) {
+                    _tile_loadd(4, probs + st * 32, ctx_pad * 2);
+                    const uint16_t *vs = vh + st * v_step;
+                    _tile_loadd(5, vs, 64);
+                    _tile_dpbf16ps(0, 4, 5);
+                    _tile_loadd(6, vs + 512, 64);
+                    _tile_dpbf16ps(1, 4, 6);
+                    _tile_loadd(7, vs + 1024, 64);
+                    _tile_dpbf16ps(2, 4, 7);
+                    _tile_loadd(5, vs + 1536, 64);
+                    _tile_dpbf16ps(3, 4, 5);
+                }
+                _tile_stored(0, o, 64 * 4);
+                _tile_stored(1, o + 16, 64 * 4);
+                _tile_stored(2, o + 32, 64 * 4);
+                _tile_stored(3, o + 48, 64 * 4);
+                for (int r = 0; r < rows; r++)
+                    for (int g = 0; g < 4; g++)
+                        vstore(out + ((int64_t)(r0 + r) * num_heads + h) * head_dim + half * 64 + g * 16, 0,
+                               vload_f32(o + r * 64 + g * 16) * inv_sum[r], 1);
+            }
+        }
+        if (scores && probs)
+            _tile_release();
+        free(scores);
+        free(probs);
+    }
+    free(vp);
+    return failed;
+}
+
 #else
 int amx_available(void) { return 0; }
+int paged_prefill_amx(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *table,
+                      int start, int n, uint16_t *out, int num_heads, int num_kv_heads, int head_dim,
+                      int block_size, float scale, int num_threads) {
+    (void)q; (void)k_cache; (void)v_cache; (void)table; (void)start; (void)n; (void)out; (void)num_heads;
+    (void)num_kv_heads; (void)head_dim; (void)block_size; (void)scale; (void)num_threads;
+    return 2;
+}
 int64_t amx_packed_size(int64_t N, int64_t K) { (void)N; (void)K; return 0; }
 void pack_linear_amx(const uint16_t *w, int64_t N, int64_t K, uint16_t *out, int num_threads) {
     (void)w; (void)N; (void)K; (void)out; (void)num_threads;
