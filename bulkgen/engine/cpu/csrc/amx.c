@@ -11,11 +11,12 @@
  * Layout: W [N, K] is packed once into blocks of 16 output columns, [ceil(N/16)][Kp/2][16][2] with Kp =
  * K rounded up to 32 (zeros past K and past N): for each pair of k, a column's two weights side by side,
  * so that a tile of 16 pairs of k is 16 rows of 64 bytes, contiguous. A block streams from memory in one
- * run. x is read in place (rows of K values); a k tail shorter than 32 goes through a zero-padded copy.
- * Fewer than 16 rows: the tiles are configured with that many rows.
+ * run. x is copied, per group of rows that fits L2 with its sums, into tiles of 16 rows x 32 values,
+ * zero-padded past K and past the last row (read in place, rows K values apart alias in L1).
  *
- * Threads split pairs of column blocks; each walks its pairs, and for each pair every group of 32 rows
- * (the pair's 2 x 16 x Kp weights stay in L2 while the rows pass). Linux gives a process the tiles' state
+ * Threads split units of two column blocks. For each group of rows a thread takes its units four at a
+ * time: each unit walks k in chunks whose weights stay in L1 while the group's rows pass, and the four
+ * units' columns of each row are then written out in one run. Linux gives a process the tiles' state
  * only when asked (arch_prctl ARCH_REQ_XCOMP_PERM); amx_available() asks once and says whether it was
  * granted, and is 0 where the library was built without AMX: the callers keep the other bfloat16 paths.
  */
@@ -181,6 +182,9 @@ static inline void round_out(const float *sums, const uint16_t *bias, uint16_t *
  * the group kept in c between chunks. silu: the gated layer's epilogue.
  */
 #define KCHUNK 16
+#ifndef UNITS
+#define UNITS 4 /* units whose sums a group keeps before writing its rows out */
+#endif
 
 static void run_blocks(const uint16_t *x, int64_t M, int64_t K, const uint16_t *packed, int64_t N,
                        const uint16_t *bias, uint16_t *y, int num_threads, int silu) {
@@ -189,7 +193,8 @@ static void run_blocks(const uint16_t *x, int64_t M, int64_t K, const uint16_t *
     int64_t Kp = padded_k(K), kblocks = Kp / 32, block = Kp * 16, blocks = (N + 15) / 16;
     int64_t units = silu ? blocks : (blocks + 1) / 2;
     int64_t chunks = (kblocks + KCHUNK - 1) / KCHUNK, chunk = (kblocks + chunks - 1) / chunks;
-    int64_t group = (1 << 20) / (Kp * 2) / 32 * 32;
+    /* rows of a group: their tiles and the sums of UNITS units within ~1.25 MB of L2 */
+    int64_t group = (5 << 18) / (Kp * 2 + UNITS * 32 * 4) / 32 * 32;
     group = group < 32 ? 32 : group > M ? (M + 31) / 32 * 32 : group;
     #pragma omp parallel num_threads(num_threads)
     {
@@ -197,11 +202,11 @@ static void run_blocks(const uint16_t *x, int64_t M, int64_t K, const uint16_t *
         static __thread int64_t sums_size;
         uint16_t gate[16], up[16];
         int nt = omp_get_num_threads(), me = omp_get_thread_num();
-        int64_t first = units * me / nt, last = units * (me + 1) / nt;
-        if (sums_size < group * 32) {
+        int64_t first = units * me / nt, last = units * (me + 1) / nt, size = UNITS * group * 32;
+        if (sums_size < size) {
             free(sums);
-            sums = aligned_alloc(64, (size_t)group * 32 * sizeof *sums);
-            sums_size = sums ? group * 32 : 0;
+            sums = aligned_alloc(64, (size_t)size * sizeof *sums);
+            sums_size = sums ? size : 0;
         }
         if (first < last && sums)
             configure(16, 16);
@@ -210,27 +215,36 @@ static void run_blocks(const uint16_t *x, int64_t M, int64_t K, const uint16_t *
             const uint16_t *a = tiles_of(x + g0 * K, K, rows);
             if (!a)
                 break;
-            for (int64_t u = first; u < last; u++) {
-                int64_t b0 = silu ? u : 2 * u, b1 = silu ? blocks + u : (2 * u + 1 < blocks ? 2 * u + 1 : 2 * u);
-                for (int64_t k0 = 0; k0 < kblocks; k0 += chunk) {
-                    int64_t k1 = k0 + chunk < kblocks ? k0 + chunk : kblocks;
-                    for (int64_t r = 0; r < rows; r += 32)
-                        block_product(a + r * Kp, k0, k1, rows - r > 16, packed + b0 * block, packed + b1 * block,
-                                      sums + r * 32, k0 == 0);
+            for (int64_t u0 = first; u0 < last; u0 += UNITS) {
+                int64_t u1 = u0 + UNITS < last ? u0 + UNITS : last;
+                for (int64_t u = u0; u < u1; u++) {
+                    int64_t b0 = silu ? u : 2 * u;
+                    int64_t b1 = silu ? blocks + u : (2 * u + 1 < blocks ? 2 * u + 1 : 2 * u);
+                    float *s = sums + (u - u0) * group * 32;
+                    for (int64_t k0 = 0; k0 < kblocks; k0 += chunk) {
+                        int64_t k1 = k0 + chunk < kblocks ? k0 + chunk : kblocks;
+                        for (int64_t r = 0; r < rows; r += 32)
+                            block_product(a + r * Kp, k0, k1, rows - r > 16, packed + b0 * block,
+                                          packed + b1 * block, s + r * 32, k0 == 0);
+                    }
                 }
+                /* the units' columns of each row, written in one run (row by row and unit by unit, the
+                 * stores missed the cache one line at a time: 40 % of a 1,024-row call at N = 3,072) */
                 for (int64_t r = 0; r < rows; r++) {
                     uint16_t *out = y + (g0 + r) * N;
-                    const float *c = sums + r * 32;
-                    if (silu) {
-                        int n = N - u * 16 < 16 ? (int)(N - u * 16) : 16;
-                        round_out(c, 0, gate, 16);
-                        round_out(c + 16, 0, up, 16);
-                        silu_mul_span(gate, up, out + u * 16, n, 1);
-                    } else {
-                        for (int h = 0; h < 2 && 2 * u + h < blocks; h++) {
-                            int64_t col = (2 * u + h) * 16;
-                            int n = N - col < 16 ? (int)(N - col) : 16;
-                            round_out(c + 16 * h, bias ? bias + col : 0, out + col, n);
+                    for (int64_t u = u0; u < u1; u++) {
+                        const float *c = sums + ((u - u0) * group + r) * 32;
+                        if (silu) {
+                            int n = N - u * 16 < 16 ? (int)(N - u * 16) : 16;
+                            round_out(c, 0, gate, 16);
+                            round_out(c + 16, 0, up, 16);
+                            silu_mul_span(gate, up, out + u * 16, n, 1);
+                        } else {
+                            for (int h = 0; h < 2 && 2 * u + h < blocks; h++) {
+                                int64_t col = (2 * u + h) * 16;
+                                int n = N - col < 16 ? (int)(N - col) : 16;
+                                round_out(c + 16 * h, bias ? bias + col : 0, out + col, n);
+                            }
                         }
                     }
                 }
