@@ -32,8 +32,7 @@ _EXTRA = {"no-amx": NO_AMX}
 
 def kernel(build: str = "native"):
     """The kernel library of a build (they build wherever gcc is present: CI has it)."""
-    flags = BUILDS[build] if build in BUILDS else () if build in _ALL else _EXTRA.get(build, ())
-    library = load_cpu_kernels(flags)
+    library = load_cpu_kernels(BUILDS.get(build, () if build in _ALL else _EXTRA.get(build, ())))
     assert library is not None, f"the {build} build of the kernels failed"
     return library
 

@@ -13,11 +13,11 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the hub is unreachable here; never wait for it
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton kernels run on the CPU, through triton's interpreter
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # two xdist workers on two cores: one thread each, for torch, the C kernels and the `bulkgen` processes they
     # start (OpenMP threads spin while they wait: two processes of two threads each doubled the suite's CPU time)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")  # the Triton kernels run on the CPU, through triton's interpreter
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 if os.environ.get("BULKGEN_TEST_FAST_INTERPRETER", "1") != "0":  # its per-call set-up once (tests/triton_interpreter)
     from tests import triton_interpreter
 
