@@ -157,7 +157,8 @@ def explicit_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Te
     scores = torch.einsum("ihd,thd->iht", query.double(), k) * scale
     if layer.softcap:
         scores = layer.softcap * torch.tanh(scores / layer.softcap)
-    t = torch.arange(keys.shape[0])[None, None, :]
+    t = torch.arange(keys.shape[0], device=keys.device)[None, None, :]  # on the keys' device, whatever the default
+    positions = positions.to(keys.device)
     seen = t <= positions[:, None, None]
     if layer.window:
         seen &= t > positions[:, None, None] - layer.window

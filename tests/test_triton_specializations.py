@@ -95,3 +95,23 @@ def test_a_decode_step_launches_ten_kernels_a_layer_and_copies_no_query() -> Non
     assert per_layer == 10, (counts[2] - counts[1])
     assert rest <= 30, counts[1]
     assert not {"torch.contiguous", "torch.clone", "torch.copy_", "triton._prefill_kernel"} & set(counts[2]), counts[2]
+
+
+def test_every_kernel_binds_its_arguments_in_tritons_own_binder() -> None:
+    """On a GPU each launch goes through a binder Triton generates from the kernel's signature (the interpreter the
+    other tests run in skips it). Its generated code has locals of its own (`params`, `specialization`, ...): a
+    kernel argument of the same name is shadowed and every launch fails ("failed to specialize argument of type:
+    dict"; a kernel argument named `params` did this on an H200). Triton's own generator, called with an int for
+    every argument, must bind them all."""
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    modules = [triton_attention, pytest.importorskip("bulkgen.engine.gpu.ops")]
+    kernels = {f"{m.__name__}.{name}": getattr(value, "fn", value)
+               for m in modules for name, value in vars(m).items()
+               if type(value).__name__ in ("JITFunction", "InterpretedFunction")}
+    assert {f"{triton_attention.__name__}.{k}" for k in KERNELS} <= set(kernels)
+    for name, fn in kernels.items():
+        jit = JITFunction(fn)
+        binder = create_function_from_signature(jit.signature, jit.params, None)
+        bound, _, _ = binder(*[1 for _ in jit.params])
+        assert bound == {p.name: 1 for p in jit.params}, name

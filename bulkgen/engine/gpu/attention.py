@@ -93,7 +93,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor, k_cach
 
 
 @triton.jit(do_not_specialize=VARYING["_decode_kernel"])
-def _decode_kernel(q, q_stride, k_cache, v_cache, block_tables, params, context_lens, out, part_acc, part_ml,
+def _decode_kernel(q, q_stride, k_cache, v_cache, block_tables, table_params, context_lens, out, part_acc, part_ml,
                    scale, window, softcap, sinks, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                    GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_F32: tl.constexpr,
@@ -108,8 +108,8 @@ def _decode_kernel(q, q_stride, k_cache, v_cache, block_tables, params, context_
     qt = tl.load(q + seq * q_stride + heads[:, None] * HEAD_DIM + d[None, :],
                  mask=head_ok[:, None] & d_ok[None, :], other=0.0)  # [G_PAD, D_PAD]
     # read on the device, so that a CUDA graph's replay takes the step's table width and split size
-    table_stride = tl.load(params)
-    blocks_per_split = tl.load(params + 1)
+    table_stride = tl.load(table_params)
+    blocks_per_split = tl.load(table_params + 1)
     context = tl.load(context_lens + seq)
     lowest = tl.where(window > 0, tl.maximum(context - window, 0), 0)  # a sliding window's first position
     first = split * blocks_per_split
