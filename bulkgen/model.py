@@ -10,11 +10,19 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from bulkgen.errors import ModelError
+
+# transformers' from_pretrained swaps PreTrainedModel.tie_weights for a no-op while it loads and sets it back after
+# (initialization.no_tie_weights), on the class: two loads in two threads of one process can leave the no-op there
+# for good, and every later model with tied embeddings then loads with its output layer uninitialized (seen: two
+# workers in one process, then the default model's lm_head random, or on the meta device). bulkgen loads a model
+# only while holding this lock.
+HF_LOAD_LOCK = threading.Lock()
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # config.DTYPES, as stored in the KV cache
 

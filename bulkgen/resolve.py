@@ -23,6 +23,7 @@ from pathlib import Path
 
 from bulkgen.config import Paths
 from bulkgen.errors import ModelError
+from bulkgen.model import HF_LOAD_LOCK
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -137,7 +138,8 @@ def _convert_gguf(gguf: Path, target: Path, log: Log) -> None:
     log(f"bulkgen: converting {gguf.name} to {dtype} safetensors in {target} (once; about 20 s a GB)")
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=getattr(torch, dtype))
+        with HF_LOAD_LOCK:
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=getattr(torch, dtype))
     except Exception as exc:
         raise ModelError(f"cannot load GGUF file {gguf}: {exc}") from exc
     # The weights are plain tensors now; saving must not claim they are still quantized.

@@ -242,9 +242,14 @@ def test_claims_are_sized_to_running_capacity_and_a_fair_share() -> None:
 
 
 def test_two_workers_share_a_small_job(tmp_path: Path, db_url: str, tiny_model_dir: Path) -> None:
-    """Two workers start on one 40-request job, which either could run at once: each takes its share."""
+    """Two workers start on one 40-request job, which either could run at once: each takes its share. Their two
+    model loads leave transformers' loader as it was (its tie_weights swap, done on the class, is not thread-safe:
+    unguarded, every later model with tied embeddings in this process loaded its output layer uninitialized)."""
     import threading
 
+    from transformers.modeling_utils import PreTrainedModel
+
+    tie_weights = PreTrainedModel.tie_weights
     job_id = submit(tmp_path, tiny_model_dir, PROMPTS, "--max-new-tokens", 24)
     summaries: list[dict] = []
     threads = [threading.Thread(target=lambda: summaries.append(run_worker(db_url))) for _ in range(2)]
@@ -253,6 +258,7 @@ def test_two_workers_share_a_small_job(tmp_path: Path, db_url: str, tiny_model_d
     for thread in threads:
         thread.join(timeout=300)
     assert sorted(s["completed"] for s in summaries) == [20, 20], summaries
+    assert PreTrainedModel.tie_weights is tie_weights, "two loads at once left tie_weights a no-op"
     assert invoke_json("status", job_id)["counts"]["completed"] == 40
     store = open_store(db_url)
     with store.session_scope() as session:

@@ -32,7 +32,7 @@ from bulkgen.engine.layers import pack_linears
 from bulkgen.engine.scheduler import ScheduledSeq
 from bulkgen.engine.sequence import Sequence
 from bulkgen.errors import ConfigError, ModelError
-from bulkgen.model import ModelShape
+from bulkgen.model import HF_LOAD_LOCK, ModelShape
 
 log = logging.getLogger(__name__)
 
@@ -414,8 +414,9 @@ def _load(model: str | Path | torch.nn.Module, dtype: torch.dtype, device: torch
     else:
         hf_logging.disable_progress_bar()
         try:
-            loaded = AutoModelForCausalLM.from_pretrained(model, dtype=dtype,
-                                                          attn_implementation=attention.ATTENTION_NAME)
+            with HF_LOAD_LOCK:
+                loaded = AutoModelForCausalLM.from_pretrained(model, dtype=dtype,
+                                                              attn_implementation=attention.ATTENTION_NAME)
         except KeyError as exc:
             if exc.args == (attention.ATTENTION_NAME,):  # the class looks attention up in a table of its own
                 raise ModelError(f"cannot load model {model}: its transformers class does not take an attention "
