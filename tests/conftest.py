@@ -260,3 +260,15 @@ def standard_reference(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir:
 
     root = tmp_path_factory.mktemp("reference")
     return uninterrupted_run(root, tiny_model_dir, f"sqlite:///{root / 'reference.db'}")
+
+
+# The files that take longest go first (measured: Ray's module alone took the last 6 minutes of a run): an xdist
+# worker takes a file at a time (--dist loadfile), and the short ones fill in beside the long ones.
+LONGEST_FIRST = ("test_ray.py", "test_engine_hf.py", "test_model_families.py", "test_worker_process.py",
+                 "test_db_outage.py", "test_bench.py", "test_sampling_matrix.py", "test_report.py", "test_soak.py",
+                 "test_gpu_check.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))  # stable: the rest keep their order

@@ -45,6 +45,9 @@ def ray_address() -> str:
     before = dict(os.environ)
     os.environ["RAY_AUTH_MODE"] = "disabled"
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    # Ray starts its workers at nice 15: beside the other xdist worker's tests they got a fraction of a core (the
+    # module took 2.5x as long as alone)
+    os.environ["RAY_worker_niceness"] = "0"
     ray.init(num_cpus=4, num_gpus=0, include_dashboard=False, logging_level="WARNING")
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()
