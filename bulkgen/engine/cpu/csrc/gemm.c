@@ -44,7 +44,8 @@
 
 /* Rows of a panel ahead (k values; pairs of them in bfloat16) that a tile prefetches, so that the weights'
  * stream from memory overlaps the FMAs: 16 (3 KB) took a decode-sized product with the weights in DRAM
- * from 14 to 21 GB/s (Intel Xeon, AMX kind, 16 rows; 8 to 32 alike), and cost nothing in cache. */
+ * from 14 to 21 GB/s (Intel Xeon, AMX kind, 16 rows; 8 to 32 alike), and cost nothing in cache. 0: none
+ * (-DPREFETCH_ROWS=0 in BULKGEN_KERNEL_CFLAGS, to measure a machine without them). */
 #ifndef PREFETCH_ROWS
 #define PREFETCH_ROWS 16
 #endif
@@ -110,7 +111,7 @@ static void run_tiles_silu_mul(const tile_fn *tiles, size_t elem, int dtype, con
             _Pragma("GCC unroll 4") for (int j = 0; j < NR / VN; j++) acc[r][j] = (vf){0}; \
         for (int64_t k = 0; k < K; k++) { \
             vf wk[NR / VN]; \
-            _Pragma("GCC unroll 4") for (int j = 0; j < (NR * 4 + 63) / 64; j++) \
+            _Pragma("GCC unroll 4") for (int j = 0; PREFETCH_ROWS > 0 && j < (NR * 4 + 63) / 64; j++) \
                 __builtin_prefetch(w + (k + PREFETCH_ROWS) * NR + j * 16, 0, 3); \
             _Pragma("GCC unroll 4") for (int j = 0; j < NR / VN; j++) wk[j] = vload_f32(w + k * NR + VN * j); \
             _Pragma("GCC unroll 16") for (int r = 0; r < MR; r++) { \
@@ -186,7 +187,7 @@ void linear_silu_mul_f32(const float *x, int64_t M, int64_t K, const float *pack
             _Pragma("GCC unroll 4") for (int j = 0; j < NR / 16; j++) acc[r][j] = _mm512_setzero_ps(); \
         for (int64_t k = 0; k < K; k += 2) { \
             __m512bh wk[NR / 16]; \
-            _Pragma("GCC unroll 4") for (int j = 0; j < NR * 4 / 64; j++) \
+            _Pragma("GCC unroll 4") for (int j = 0; PREFETCH_ROWS > 0 && j < NR * 4 / 64; j++) \
                 __builtin_prefetch(w + (k + 2 * PREFETCH_ROWS) * NR + j * 32, 0, 3); \
             _Pragma("GCC unroll 4") for (int j = 0; j < NR / 16; j++) \
                 wk[j] = (__m512bh)_mm512_loadu_si512(w + k * NR + 32 * j); \
