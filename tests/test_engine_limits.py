@@ -136,3 +136,19 @@ def test_an_output_cut_inside_a_character_drops_it(engine: Engine) -> None:
     assert cut.endswith("\ufffd"), "the emoji spans more than one token"
     assert drop_incomplete_character(cut) == "ok "
     assert drop_incomplete_character(engine.tokenizer.decode(ids)) == "ok 😀"
+
+
+def test_a_default_kv_cache_is_no_bigger_than_the_engine_can_fill(tiny_model_dir: Path) -> None:
+    """Without --kv-cache-memory a CPU engine takes a quarter of free memory up to 4 GiB, but no more than
+    max_num_seqs sequences of the longest context need (the tiny model's 4 GiB were mostly never touched); and
+    that many sequences of that length still run at once."""
+    engine = Engine(tiny_model_dir, EngineConfig(max_num_seqs=3, max_model_len=100, block_size=16))
+    runner = engine.runner
+    per_block = runner.shape.kv_bytes_per_token("float32") * 16
+    assert 3 * 7 <= runner.num_blocks <= 3 * 7 + 4 + 1  # 100 tokens: 7 blocks a sequence; a few spare
+    assert runner.kv_cache_bytes <= (3 * 7 + 8) * per_block
+    rng = random.Random(3)
+    prompts = [[rng.randrange(100, 40000) for _ in range(60)] for _ in range(3)]
+    outs = engine.generate(prompts, [SamplingParams(max_new_tokens=40, ignore_eos=True)] * 3)
+    assert sorted(len(o.output_token_ids) for o in outs) == [40, 40, 40]  # 60 + 40: each to the context's end
+    assert engine.scheduler.num_preemptions == 0

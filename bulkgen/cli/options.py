@@ -111,7 +111,8 @@ def engine_options(func: Callable) -> Callable:
                                              "fit in memory, else bfloat16 where the CPU computes it natively)."),
         click.option("--device", default=default.device, show_default=True, help="cpu, cuda, cuda:N or auto."),
         click.option("--kv-cache-memory", metavar="SIZE",
-                     help="KV cache size, e.g. 2GiB (default: 4GiB or a quarter of free RAM on CPU; "
+                     help="KV cache size, e.g. 2GiB (default on CPU: 4GiB or a quarter of free RAM, at most what "
+                          "--max-num-seqs sequences of the longest context fill; "
                           "--gpu-memory-utilization on a GPU)."),
         click.option("--gpu-memory-utilization", type=float, default=default.gpu_memory_utilization,
                      show_default=True, help="Share of GPU memory for weights and KV cache."),

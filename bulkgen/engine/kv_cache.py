@@ -36,12 +36,20 @@ class KVCache:
     there)."""
 
     def __init__(self, shape: ModelShape, config: EngineConfig, dtype: torch.dtype, device: torch.device,
-                 num_scratch_blocks: int, transposed_k: bool, layout: KVLayout | None = None) -> None:
+                 num_scratch_blocks: int, transposed_k: bool, layout: KVLayout | None = None,
+                 max_context: int | None = None) -> None:
+        """max_context: the longest sequence the engine runs; where given, a CPU's default budget is no more
+        than max_num_seqs such sequences need (a small model's 4 GiB would be mostly never touched, and zeroing
+        it alone takes seconds)."""
         self.block_size = block_size = config.block_size
         self.layout = layout = layout or KVLayout.of(shape.num_layers)
         self.bytes_per_token = shape.kv_bytes_per_token(config.dtype)  # every layer's
         block_bytes = self.bytes_per_token * layout.group_size // shape.num_layers * block_size
         budget = kv_budget(config, device)
+        if config.kv_cache_memory is None and device.type == "cpu" and max_context is not None:
+            blocks_per_seq = -(-max_context // block_size) * layout.num_groups
+            spare = MIN_KV_BLOCKS * layout.num_groups + num_scratch_blocks + int(layout.slides)
+            budget = min(budget, (config.max_num_seqs * blocks_per_seq + spare) * block_bytes)
         num_cache_blocks = budget // block_bytes
         self.null_block = num_cache_blocks - num_scratch_blocks - int(layout.slides)
         self.num_blocks = self.null_block  # what sequences may hold

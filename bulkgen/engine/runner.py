@@ -32,7 +32,7 @@ from bulkgen.engine.layers import pack_linears
 from bulkgen.engine.scheduler import ScheduledSeq
 from bulkgen.engine.sequence import Sequence
 from bulkgen.errors import ConfigError, ModelError
-from bulkgen.model import HF_LOAD_LOCK, ModelShape
+from bulkgen.model import HF_LOAD_LOCK, ModelShape, context_length
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +87,10 @@ class ModelRunner:
         if num_blocks is not None:
             bytes_per_block = self.shape.kv_bytes_per_token(config.dtype) * config.block_size
             config = dataclasses.replace(config, kv_cache_memory=num_blocks * bytes_per_block)
+        context = context_length(self.model.config, str(self.model.config._name_or_path))
         self.kv = KVCache(self.shape, config, self.dtype, self.device, num_scratch_blocks=int(self.use_graphs),
-                          transposed_k=not self.use_triton, layout=layout)
+                          transposed_k=not self.use_triton, layout=layout,
+                          max_context=min(config.max_model_len or context, context))
         self.num_blocks, self.kv_cache_bytes = self.kv.num_blocks, self.kv.num_bytes
         self._k_caches, self._v_caches = self.kv.k_caches, self.kv.v_caches
         # Whether prefill attention runs in our C kernel (it reads each chunk's context from the blocks itself)
