@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bulkgen.config import Paths
+from bulkgen.engine.memory import CPU_HEADROOM_BYTES, MIN_KV_BYTES, available_memory
 from bulkgen.errors import ModelError
 from bulkgen.model import HF_LOAD_LOCK
 
@@ -164,8 +165,6 @@ def _gguf_dtype(gguf: Path) -> str:
     """float32 where the dequantized weights fit beside a KV cache in this machine's memory, else bfloat16 (the
     weights' own GGUF types are 4-8 bits: bfloat16 holds them closely)."""
     from gguf import GGUFReader
-
-    from bulkgen.engine.memory import CPU_HEADROOM_BYTES, MIN_KV_BYTES, available_memory
 
     try:
         num_weights = sum(int(t.n_elements) for t in GGUFReader(gguf).tensors)

@@ -19,6 +19,10 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from bulkgen.bench.suite import NullTokenizer
+from bulkgen.config import EngineConfig, SamplingParams
+from bulkgen.engine.engine import Engine
+
 # torch ops that only describe a tensor anew (no kernel on a GPU)
 VIEWS = {"view", "_unsafe_view", "reshape", "as_strided", "t", "transpose", "permute", "slice", "select", "unsqueeze",
          "squeeze", "expand", "alias", "detach", "split", "split_with_sizes", "unbind", "narrow", "chunk", "lift_fresh",
@@ -86,8 +90,6 @@ class _Counted:
 def decode_step_launches(engine: Any, batch: int) -> collections.Counter:
     """The launches of one engine step (the model, the sampler, the step's host-to-device copy) that decodes `batch`
     sequences (prompts of 20 tokens, prefilled first)."""
-    from bulkgen.config import SamplingParams
-
     for i in range(batch):
         engine.add(i, [5 + i] * 20, SamplingParams(max_new_tokens=4, ignore_eos=True))
     while engine.scheduler.waiting or any(s.num_uncomputed_tokens > 1 for s in engine.scheduler.running):
@@ -102,9 +104,6 @@ def small_engine(num_layers: int, device: str) -> Any:
     """A Triton-path engine on a narrow random Llama of num_layers layers: launches depend on depth, not width."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from bulkgen.bench.suite import NullTokenizer
-    from bulkgen.config import EngineConfig
-    from bulkgen.engine.engine import Engine
 
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=256, max_position_embeddings=512, bos_token_id=1,

@@ -13,6 +13,8 @@ from typing import Any
 from sqlalchemy import insert, text, update
 
 from bulkgen.recorder import SAMPLE_INTERVAL_S
+from bulkgen.report.figures import build_report
+from bulkgen.report.page import render
 from bulkgen.store import jobs as job_ops
 from bulkgen.store.db import Store
 from bulkgen.store.models import Request, RequestState, Result, RunSample, pack_ids, utcnow
@@ -83,9 +85,6 @@ def _samples(store: Store, job_id: int, workers: list[str], start: Any, hours: f
 
 
 def measure(store: Store, job_id: int) -> dict[str, Any]:
-    from bulkgen.report.figures import build_report
-    from bulkgen.report.page import render
-
     began = time.perf_counter()
     figures = build_report(store, [job_id])
     figures_s = time.perf_counter() - began

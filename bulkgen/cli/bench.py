@@ -389,6 +389,7 @@ def report_scale(num_rows: int, num_workers: int, hours: float, db_url: str | No
     """
     import time
 
+    # here, not at the top: the rest of bench runs where the database packages are not installed (a GPU's)
     from bulkgen.bench.report_scale import make_big_job, measure
     from bulkgen.store.db import open_store
 

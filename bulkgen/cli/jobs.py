@@ -18,7 +18,9 @@ from bulkgen.io.rows import INPUT_FORMATS
 from bulkgen.jobspec import build_spec
 from bulkgen.progress import format_duration
 from bulkgen.store import jobs as job_ops
+from bulkgen.store import runs
 from bulkgen.store.db import open_store
+from bulkgen.store.models import FINAL_JOB_STATES
 from bulkgen.submission import submit_job
 
 
@@ -190,9 +192,6 @@ def _status_lines(summary: dict[str, Any], errors: list[tuple[int, int, str]]) -
 def _watch(store: Any, job_id: int, interval_s: float, as_json: bool) -> None:
     """Redraw (a terminal) or print a line (a log, --json: a JSON line) every interval until the job is final."""
     import time
-
-    from bulkgen.store import runs
-    from bulkgen.store.models import FINAL_JOB_STATES
 
     redraw = sys.stdout.isatty() and not as_json
     try:

@@ -11,6 +11,8 @@ from bulkgen.cli.options import CONTEXT, JOB_ID, JobCommand, db_option, emit_jso
 from bulkgen.errors import ConfigError
 from bulkgen.io.export import temporary_output
 from bulkgen.report.figures import NUM_EXAMPLES, build_report, current_jobs
+from bulkgen.report.plots import _matplotlib
+from bulkgen.report.serve import ReportServer
 from bulkgen.store.db import open_store
 
 
@@ -75,9 +77,6 @@ def report(job_ids: tuple[int, ...], output: Path | None, serve: bool, host: str
 
 
 def _serve(store, job_ids: list[int], host: str, port: int, refresh_s: float, num_examples: int) -> None:
-    from bulkgen.report.plots import _matplotlib
-    from bulkgen.report.serve import ReportServer
-
     _matplotlib()  # refused now, not at the first page load
     build_report(store, job_ids or current_jobs(store), 0)  # a job that does not exist: refused before serving
     try:

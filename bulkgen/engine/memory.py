@@ -17,8 +17,9 @@ from pathlib import Path
 import psutil
 
 from bulkgen.config import format_size, parse_size
+from bulkgen.engine.cpu.machine import native_dtype_problem
 from bulkgen.errors import ConfigError
-from bulkgen.model import DTYPE_BYTES
+from bulkgen.model import DTYPE_BYTES, ModelShape, estimated_weight_count, read_config, weight_count
 
 MEMORY_LIMIT_ENV = "BULKGEN_MEMORY_LIMIT"  # e.g. 16GiB: count no more than this as free (a machine shared with others)
 CPU_HEADROOM_BYTES = 1 * 2**30  # activations of a 1k-token step, Python, libraries
@@ -98,16 +99,12 @@ def _numbers(num_weights: int, dtype: str, kv: int, available: int) -> str:
 
 def native_dtypes() -> set[str]:
     """The low-precision dtypes this CPU computes natively (cpu/machine.py reads its flags)."""
-    from bulkgen.engine.cpu.machine import native_dtype_problem
-
     return {d for d in ("bfloat16", "float16") if native_dtype_problem(d) is None}
 
 
 def dtype_for(requested: str, model_dir: Path, kv_bytes: int | None, on_gpu: bool) -> str:
     """choose_dtype for a model directory, its weights counted from their safetensors headers (else estimated
     from its config)."""
-    from bulkgen.model import ModelShape, estimated_weight_count, read_config, weight_count
-
     num_weights = weight_count(model_dir)
     if num_weights is None:
         num_weights = estimated_weight_count(ModelShape.of(read_config(model_dir)))
