@@ -104,7 +104,6 @@ def small_engine(num_layers: int, device: str) -> Any:
     """A Triton-path engine on a narrow random Llama of num_layers layers: launches depend on depth, not width."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=256, max_position_embeddings=512, bos_token_id=1,
                          eos_token_id=2, pad_token_id=0)

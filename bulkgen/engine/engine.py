@@ -20,7 +20,7 @@ from bulkgen.engine.runner import ModelRunner
 from bulkgen.engine.scheduler import AdmissionPolicy, Scheduler, SchedulerOutput
 from bulkgen.engine.sequence import Sequence, SequenceStatus
 from bulkgen.errors import ConfigError, PromptTooLongError
-from bulkgen.model import context_length, load_tokenizer
+from bulkgen.model import load_tokenizer
 
 
 class Engine:
@@ -35,9 +35,8 @@ class Engine:
         hf_config = self.runner.model.config
         self.tokenizer = tokenizer or load_tokenizer(model if not isinstance(model, torch.nn.Module)
                                                      else hf_config._name_or_path)
-        context = context_length(hf_config, str(hf_config._name_or_path or type(self.runner.model).__name__))
-        self.max_model_len = min(self.config.max_model_len or context, context)
-        self.runner.limit_context(self.max_model_len)
+        self.max_model_len = self.runner.max_model_len
+        self.runner.prepare_run()
         layout = self.runner.layout
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
                                           self.config.enable_prefix_caching, layout, self.runner.kv.null_block)

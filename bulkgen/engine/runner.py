@@ -51,6 +51,9 @@ class ModelRunner:
             keep_freed_memory()
         self.model = _load(model, self.dtype, self.device)
         self.shape = ModelShape.of(self.model.config)
+        # the engine's cap on a sequence's tokens: the KV cache's default size and decode graphs' tables follow it
+        context = context_length(self.model.config, str(self.model.config._name_or_path or type(self.model).__name__))
+        self.max_model_len = min(config.max_model_len or context, context)
         self.windows = self.shape.windows if self.shape.window else ()  # each layer's sliding window, if any
         # Triton kernels for attention, the KV write and the small ops: on a GPU, or (tests) in Triton's CPU
         # interpreter when asked for
@@ -68,7 +71,7 @@ class ModelRunner:
         if self.use_triton and self.block_size < triton_min_block():
             raise ConfigError(f"the Triton kernels take KV blocks of at least {triton_min_block()} tokens (tensor-core "
                               f"tiles); got --block-size {self.block_size}")
-        self.decode_graphs = None  # built by limit_context, when graphs are on
+        self.decode_graphs = None  # built by prepare_run, when graphs are on
         self.use_graphs = False
         self._calls: list[int] | None = None  # set while probing: the layers whose attention reached ours
         self._mask_windows: dict[int, int] | None = None  # and the window each one's own mask gives
@@ -87,10 +90,8 @@ class ModelRunner:
         if num_blocks is not None:
             bytes_per_block = self.shape.kv_bytes_per_token(config.dtype) * config.block_size
             config = dataclasses.replace(config, kv_cache_memory=num_blocks * bytes_per_block)
-        context = context_length(self.model.config, str(self.model.config._name_or_path))
         self.kv = KVCache(self.shape, config, self.dtype, self.device, num_scratch_blocks=int(self.use_graphs),
-                          transposed_k=not self.use_triton, layout=layout,
-                          max_context=min(config.max_model_len or context, context))
+                          transposed_k=not self.use_triton, layout=layout, max_context=self.max_model_len)
         self.num_blocks, self.kv_cache_bytes = self.kv.num_blocks, self.kv.num_bytes
         self._k_caches, self._v_caches = self.kv.k_caches, self.kv.v_caches
         # Whether prefill attention runs in our C kernel (it reads each chunk's context from the blocks itself)
@@ -147,10 +148,9 @@ class ModelRunner:
         finally:
             self._calls, self._mask_windows = None, None
 
-    def limit_context(self, max_model_len: int) -> None:
-        """The engine's cap on a sequence's tokens (decode graphs' block tables are that wide); then, on a GPU, the
-        warm-up and every decode graph's capture, so that the run compiles and captures nothing."""
-        self.max_model_len = max_model_len
+    def prepare_run(self) -> None:
+        """Before the first request, on a GPU: the warm-up and every decode graph's capture (their block tables
+        max_model_len wide), so that the run compiles and captures nothing."""
         if self.use_triton and self.device.type == "cuda":
             self.warm_up()
         if self.use_graphs:
@@ -159,7 +159,7 @@ class ModelRunner:
             self.decode_graphs = DecodeGraphs(
                 self.forward, self._k_caches, self._v_caches, scratch_block=self.kv.scratch_block,
                 block_size=self.block_size,
-                max_blocks_per_seq=-(-max_model_len // self.block_size), max_num_seqs=self.config.max_num_seqs,
+                max_blocks_per_seq=-(-self.max_model_len // self.block_size), max_num_seqs=self.config.max_num_seqs,
                 num_kv_heads=self.shape.num_kv_heads, device=self.device, windows=self.windows)
             self.decode_graphs.capture_all()
 
