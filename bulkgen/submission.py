@@ -79,13 +79,14 @@ def submit_job(store: Store, spec: JobSpec, paths: Paths | None = None,
         if not spec.model_from_file:
             raise
         raise ModelError(f"{source.path.name}: its first line names model {spec.model!r}, which bulkgen cannot load: "
-                         "give --model (an alias, a local Hugging Face directory or a .gguf file) and every line runs "
-                         "on it") from exc
+                         "give --model (a hub name, an alias, a local Hugging Face directory or a .gguf file) and "
+                         "every line runs on it") from exc
     renderer = PromptRenderer(spec, model.path)
     with store.session_scope(write=True) as session:
         job_id = job_ops.new_job(session, name=spec.name, model=spec.model, model_path=str(model.path),
-                                 input_path=str(source.path), input_fingerprint=source.fingerprint,
-                                 input_columns=source.column_names, spec=spec.to_dict())
+                                 model_revision=model.revision, input_path=str(source.path),
+                                 input_fingerprint=source.fingerprint, input_columns=source.column_names,
+                                 spec=spec.to_dict())
     counts = _Counts()
     try:
         pending: list[dict[str, Any]] = []

@@ -40,6 +40,7 @@ from bulkgen.outage import Outage
 from bulkgen.packing import admission_for, check_packing
 from bulkgen.progress import Progress
 from bulkgen.recorder import SAMPLE_INTERVAL_S, Recorder
+from bulkgen.resolve import model_dir
 from bulkgen.store import queue as q
 from bulkgen.store import runs
 from bulkgen.store.db import Store
@@ -209,7 +210,7 @@ class Worker:
     def _serve(self, jobs: list[Job]) -> int:
         """Run the jobs of one model until none of their requests is pending (or a stop). Returns how many
         requests it claimed. Each turn: stop (drain) or claim if due, step, commit if due, reconcile the leases."""
-        engine = self._engine(jobs[0].model_path)
+        engine = self._engine(jobs[0])
         self._say_start(engine, jobs)
         settings = self._settings(engine)
         self._db(lambda: self._in_session(runs.set_worker_settings, self.worker_id, settings), "settings", wait=True)
@@ -435,11 +436,13 @@ class Worker:
 
     # ------------------------------------------------------------------ helpers
 
-    def _engine(self, model_path: str) -> EngineProtocol:
-        if model_path not in self._engines:
+    def _engine(self, job: Job) -> EngineProtocol:
+        if job.model_path not in self._engines:
             self._engines.clear()  # one model in memory at a time
-            self._engines[model_path] = self._engine_factory(model_path, self.engine_config)
-        return self._engines[model_path]
+            # the directory submit resolved, or on another node the same model (at its pinned commit) fetched here
+            path = model_dir(job.model, job.model_path, job.model_revision, log=log.warning)
+            self._engines[job.model_path] = self._engine_factory(str(path), self.engine_config)
+        return self._engines[job.model_path]
 
     def _settings(self, engine: EngineProtocol) -> dict[str, Any]:
         """What this run ran with, for `bulkgen report`."""

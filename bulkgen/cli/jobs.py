@@ -27,8 +27,9 @@ from bulkgen.submission import submit_job
 @click.command(context_settings=CONTEXT)
 @click.argument("source", type=click.Path(path_type=Path))
 @click.option("--name", help="A name for the job.")
-@click.option("--model", help="Alias, .gguf file or Hugging Face directory. Default: BULKGEN_MODEL, else "
-                                       "smollm2-135m-instruct.")
+@click.option("--model", help="Hub name (ORG/NAME, ORG/NAME@REVISION, ORG/NAME-GGUF:QUANT), alias, .gguf file or "
+                             "Hugging Face directory. Default: BULKGEN_MODEL, else smollm2-135m-instruct.")
+@click.option("--gguf-file", help="With a hub --model: the GGUF file of the repository to run (ORG/NAME:FILE).")
 @click.option("--prompt-column", help="Column of raw prompt text (default: prompt).")
 @click.option("--messages-column", help="Column of chat messages: a list of {role, content}.")
 @click.option("--id-column", help="Column of your own row ids, kept in the results.")
@@ -177,7 +178,8 @@ def _status_lines(summary: dict[str, Any], errors: list[tuple[int, int, str]]) -
     rate = f" · {summary['output_tok_per_s']} output tok/s" if summary["output_tok_per_s"] is not None else ""
     eta = f" · ETA {format_duration(summary['eta_s'])}" if summary["eta_s"] is not None else ""
     lines = [f"job {summary['id']}" + (f" ({summary['name']})" if summary["name"] else "")
-             + f": {summary['status']} · model {summary['model']}",
+             + f": {summary['status']} · model {summary['model']}"
+             + (f" (commit {summary['model_revision'][:12]})" if summary.get("model_revision") else ""),
              f"requests: {summary['total']:,} total · {c['completed']:,} completed · {c['failed']:,} failed · "
              f"{c['pending']:,} pending · {c['running']:,} running · {c['cancelled']:,} cancelled",
              f"tokens: {summary['num_prompt_tokens']:,} prompt · {summary['num_output_tokens']:,} output{rate}{eta}"]

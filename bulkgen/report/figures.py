@@ -92,7 +92,8 @@ def _settings(job: Any) -> dict[str, Any]:
     elif spec.get("input_format") == "openai":
         sampling["max_new_tokens"] = f"each line's max_tokens ({budget} where a line has none)"
     own = {key: spec.get(key) for key in SPEC_SETTINGS if spec.get(key) not in (None, False)}
-    return {"model": job.model, "model_path": job.model_path, "input": job.input_path,
+    revision = {"model_revision": job.model_revision} if job.model_revision else {}
+    return {"model": job.model, "model_path": job.model_path, **revision, "input": job.input_path,
             "input_columns": job.input_columns, **own, "sampling": sampling}
 
 

@@ -23,11 +23,13 @@ from bulkgen.store.models import (
 
 
 def new_job(session: Session, *, model: str, model_path: str, spec: dict[str, Any], name: str | None = None,
-            input_path: str = "-", input_fingerprint: str = "-", input_columns: list[str] | None = None) -> int:
+            input_path: str = "-", input_fingerprint: str = "-", input_columns: list[str] | None = None,
+            model_revision: str | None = None) -> int:
     """A job being submitted (invisible to workers until open_job); its id. Submit and the bench's jobs
     both start here."""
-    job = Job(status=JobStatus.SUBMITTING.value, name=name, model=model, model_path=model_path, spec=spec,
-              input_path=input_path, input_fingerprint=input_fingerprint, input_columns=input_columns or [])
+    job = Job(status=JobStatus.SUBMITTING.value, name=name, model=model, model_path=model_path,
+              model_revision=model_revision, spec=spec, input_path=input_path,
+              input_fingerprint=input_fingerprint, input_columns=input_columns or [])
     session.add(job)
     session.flush()
     return job.id
@@ -189,6 +191,7 @@ def _summary(job: Job, counts: dict[str, int], tokens: tuple[int, int]) -> dict[
         "name": job.name,
         "status": job.status,
         "model": job.model,
+        "model_revision": job.model_revision,
         "input": job.input_path,
         "counts": counts,
         "total": total,

@@ -85,8 +85,10 @@ class Job(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     name: Mapped[str | None] = mapped_column(String(200))
     status: Mapped[str] = mapped_column(String(16), default=JobStatus.QUEUED.value, index=True)
-    model: Mapped[str] = mapped_column(String(1000))  # as the user named it (alias or path)
+    model: Mapped[str] = mapped_column(String(1000))  # as the user named it (alias, path or hub name)
     model_path: Mapped[str] = mapped_column(String(1000))  # the resolved Hugging Face directory
+    # A hub name's commit, pinned at submit: a worker elsewhere or later runs the same weights (resolve.model_dir)
+    model_revision: Mapped[str | None] = mapped_column(String(64))
     input_path: Mapped[str] = mapped_column(String(4000))  # absolute path of the Parquet file
     input_fingerprint: Mapped[str] = mapped_column(String(200))  # size and mtime, checked by export
     input_columns: Mapped[list[str]] = mapped_column(JSON)
