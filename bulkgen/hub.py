@@ -109,7 +109,9 @@ def fetch(name: HubName, log: Log) -> HubModel:
         return _from_cache(name, hub, "HF_HUB_OFFLINE is set")
     commit, listing = _list(name, hub)
     if commit is None:  # the hub did not answer: the cache may hold it
-        return _from_cache(name, hub, listing)
+        got = _from_cache(name, hub, str(listing))
+        log(f"bulkgen: {listing}; {name.repo_id} runs from the hub cache, at commit {got.commit[:12]}")
+        return got
     files = _choose(name, listing)
     _download(name, hub, commit, files, listing, log)
     return _located(name, hub, commit, files)

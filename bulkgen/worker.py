@@ -125,6 +125,9 @@ class Worker:
         self.summary = RunSummary(self.worker_id)
         self._engine_factory = engine_factory or (lambda path, config: _default_engine(
             path, config, self.options.kv_admission, self.options.packing))
+        # Only the default factory loads weights, so only it needs the model on this machine (resolve.model_dir);
+        # a caller's own factory (the queue bench's, tests') gets the job's stored path as it is.
+        self._fetches_models = engine_factory is None
         self._engines: dict[str, EngineProtocol] = {}
         self._stop_requested: str | None = None
         self._stop_time = 0.0
@@ -440,7 +443,8 @@ class Worker:
         if job.model_path not in self._engines:
             self._engines.clear()  # one model in memory at a time
             # the directory submit resolved, or on another node the same model (at its pinned commit) fetched here
-            path = model_dir(job.model, job.model_path, job.model_revision, log=log.warning)
+            path = model_dir(job.model, job.model_path, job.model_revision, log=log.warning) \
+                if self._fetches_models else job.model_path
             self._engines[job.model_path] = self._engine_factory(str(path), self.engine_config)
         return self._engines[job.model_path]
 

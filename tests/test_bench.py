@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
 from tests.helpers import invoke
 
@@ -218,3 +219,20 @@ def test_bench_sampling_flags_are_checked_before_anything_runs(tiny_model_dir: P
     result = invoke("bench", "--synthetic", 2, "--model", tiny_model_dir, "--temperature", 0.8, "--top-p", 1.5,
                     expect=2)
     assert "top-p must be in (0, 1]" in result.output
+
+
+def test_queue_bench_stops_waiting_for_a_dead_worker() -> None:
+    """A worker process that dies without its count ends the bench's wait (it hung for good in CI when a
+    worker failed at its first job)."""
+    import multiprocessing
+    import sys
+
+    from bulkgen.bench.queue_capacity import _result
+    from bulkgen.errors import BulkgenError
+
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    proc = context.Process(target=sys.exit, args=(3,))
+    proc.start()
+    with pytest.raises(BulkgenError, match=r"worker process died \(exit 3\)"):
+        _result(results, [proc], timeout_s=60)

@@ -19,6 +19,7 @@ from bulkgen.store.models import Job, Request, Result, unpack_ids
 from tests.conftest import make_tiny_model
 from tests.helpers import hf_greedy, invoke, invoke_json, write_parquet
 from tests.hubserver import TOKEN, Hub, Repo, directory_files
+from tests.tiny_gguf import make_tiny_gguf
 
 PROMPTS = ["The capital of France is", "Once upon a time", "1, 2, 3,"]
 
@@ -104,27 +105,42 @@ def test_offline_runs_from_the_cache(hub: Hub, tiny_dirs: list[Path], monkeypatc
         resolve_model("org/tiny@v2", log=lambda _: None)
 
 
-def _gguf_repo(tmp_path: Path) -> dict[str, bytes]:
-    """A GGUF repository: the real default model's Q4_1 file under two quantization names, and a README."""
-
-    gguf = _find_alias_gguf(DEFAULT_MODEL, ALIASES[DEFAULT_MODEL], Paths(), lambda _: None)
-    return {"SmolLM2-135M-Instruct-Q4_K_M.gguf": b"not this one", "SmolLM2-135M-Instruct.Q4_1.gguf": gguf.read_bytes(),
-            "README.md": b"# GGUF files"}
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> bytes:
+    source = _find_alias_gguf(DEFAULT_MODEL, ALIASES[DEFAULT_MODEL], Paths(), lambda _: None)
+    return make_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny-Q8_0.gguf", source).read_bytes()
 
 
-def test_gguf_file_by_quantization(hub: Hub, tmp_path: Path) -> None:
-    """ORG/NAME:QUANT (any case) and --gguf-file fetch that one file of the repository, byte for byte; from there
-    it runs as a local .gguf file does (resolve._converted, the same code; the conversion is the alias's)."""
-    files = _gguf_repo(tmp_path)
-    hub.repos["org/smol-GGUF"] = Repo()
-    commit = hub.repos["org/smol-GGUF"].push(files)
-    got = fetch(parse_hub_name("org/smol-GGUF:q4_1"), log=lambda _: None)
-    assert got.gguf and got.commit == commit
-    assert got.path.read_bytes() == files["SmolLM2-135M-Instruct.Q4_1.gguf"]
+def test_gguf_repository_by_quantization(hub: Hub, tiny_gguf: bytes) -> None:
+    """ORG/NAME:QUANT (any case) and --gguf-file fetch that one file of the repository, byte for byte; it runs
+    through the Python API and bench, its greedy outputs those of transformers' own GGUF loading + generate()."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from bulkgen.api import generate
+
+    hub.repos["org/tiny-GGUF"] = Repo()
+    commit = hub.repos["org/tiny-GGUF"].push({"tiny-Q8_0.gguf": tiny_gguf, "tiny-Q4_K_M.gguf": b"not this one",
+                                              "README.md": b"# GGUF files"})
+    got = fetch(parse_hub_name("org/tiny-GGUF:q8_0"), log=lambda _: None)
+    assert got.gguf and got.commit == commit and got.path.read_bytes() == tiny_gguf
     assert len(hub.downloads()) == 1, "only the file asked for"
-    named = with_gguf_file("org/smol-GGUF", "SmolLM2-135M-Instruct.Q4_1.gguf")
+    named = with_gguf_file("org/tiny-GGUF", "tiny-Q8_0.gguf")
     assert fetch(parse_hub_name(named), log=lambda _: None).path == got.path
     assert len(hub.downloads()) == 1, "the second time from the cache"
+
+    results = generate(PROMPTS, model="org/tiny-GGUF:Q8_0", max_new_tokens=6, ignore_eos=True)
+    tokenizer = AutoTokenizer.from_pretrained(got.path.parent, gguf_file=got.path.name)
+    model = AutoModelForCausalLM.from_pretrained(got.path.parent, gguf_file=got.path.name, dtype=torch.float32)
+    want = []
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, min_new_tokens=6,
+                             do_sample=False)
+        want.append(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+    assert [r["output"] for r in results] == want
+    assert "model org/tiny-GGUF:Q8_0" in invoke("bench", "--synthetic", 2, "--model", "org/tiny-GGUF:Q8_0",
+                                                 "--compare", "", "--max-new-tokens", 4).stdout
 
 
 def _error(*args: object) -> str:

@@ -128,7 +128,7 @@ def run_bulkgen_store(spec: dict[str, Any], workload: Workload) -> dict[str, Any
 
     from bulkgen.store import jobs as job_ops
     from bulkgen.store.db import open_store
-    from bulkgen.store.models import Request, Result, unpack_ids
+    from bulkgen.store.models import Job, Request, Result, unpack_ids
     from bulkgen.worker import Worker, WorkerOptions
 
     model_path = str(Path(spec["model"]).resolve())
@@ -145,7 +145,9 @@ def run_bulkgen_store(spec: dict[str, Any], workload: Workload) -> dict[str, Any
         options = WorkerOptions(job_ids=(job_id,), progress=False, packing=spec.get("packing", DEFAULT_PACKING),
                                 kv_admission=spec.get("kv_admission", True))
         worker = Worker(store, EngineConfig(**spec["engine_config"]), options)
-        engine = worker._engine(model_path)  # loaded outside the timed span
+        with store.session_scope() as session:
+            job = session.get(Job, job_id)
+        engine = worker._engine(job)  # loaded outside the timed span
         _warm_up(engine)
         start = time.perf_counter()
         summary = worker.run()

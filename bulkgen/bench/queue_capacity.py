@@ -8,12 +8,14 @@ A GPU worker finishes on the order of 100 requests a second; a cluster of them m
 from __future__ import annotations
 
 import multiprocessing
+import queue
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from bulkgen.config import EngineConfig, SamplingParams
 from bulkgen.engine.protocol import EngineStats, RequestOutput
+from bulkgen.errors import BulkgenError
 from bulkgen.store import jobs as job_ops
 from bulkgen.store.db import open_store
 from bulkgen.worker import Worker, WorkerOptions
@@ -108,12 +110,28 @@ def measure(db_url: str, num_workers: int, num_requests: int, max_num_seqs: int 
         ready.get(timeout=120)
     start = time.perf_counter()
     go.set()
-    completed = [results.get(timeout=3600) for _ in procs]
+    completed = [_result(results, procs) for _ in procs]
     seconds = time.perf_counter() - start
     for proc in procs:
         proc.join(timeout=30)
     return {"workers": num_workers, "requests": sum(completed), "seconds": round(seconds, 3),
             "requests_per_s": round(sum(completed) / seconds, 1), "per_worker": completed}
+
+
+def _result(results: Any, procs: list[Any], timeout_s: float = 3600.0) -> int:
+    """The next worker's count; a worker process that died without one ends the wait (it would be forever)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            return results.get(timeout=1.0)
+        except queue.Empty:
+            dead = [proc.exitcode for proc in procs if proc.exitcode not in (None, 0)]
+            if dead:
+                for proc in procs:
+                    proc.kill()
+                raise BulkgenError(f"a queue bench worker process died (exit {dead[0]}); see its output "
+                                   "above") from None
+    raise BulkgenError(f"the queue bench's workers gave no result in {timeout_s:.0f} s")
 
 
 def run_queue_bench(db_urls: list[str], workers: list[int], num_requests: int, max_num_seqs: int,
