@@ -8,6 +8,7 @@ import os
 import re
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -106,16 +107,30 @@ def test_a_worker_shows_what_all_workers_committed(tmp_path: Path, db_url: str, 
             assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, what
             time.sleep(0.05)
 
-    a = bulkgen_process([*flags, "--log-every", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    a = bulkgen_process([*flags, "--log-every", "0"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     b = None
+    a_lines: list[str] = []
+    first_step = threading.Event()
+
+    def read_a() -> None:  # A's stderr as it comes: A is stopped at its first step's line, its work still ahead
+        for line in a.stderr:
+            a_lines.append(line)
+            if "tokens generated" in line:
+                first_step.set()
+
+    reader = threading.Thread(target=read_a, daemon=True)
+    reader.start()
     try:
-        wait(lambda: count(Request.lease_owner.like(f"%:{a.pid}:%")) > 0, "worker A claimed nothing", a)
+        assert first_step.wait(120), "worker A ran no step"
         a.send_signal(signal.SIGSTOP)
         held = count(Request.lease_owner.like(f"%:{a.pid}:%"))
+        assert held > 0
         b = bulkgen_process([*flags, "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         wait(lambda: count(Request.state == "completed") >= NUM - held, "worker B did not run the rest", b)
         a.send_signal(signal.SIGCONT)
-        _, a_err = a.communicate(timeout=120)
+        a.wait(timeout=120)
+        reader.join(timeout=120)
+        a_err = "".join(a_lines)
         _, b_err = b.communicate(timeout=120)
     finally:
         for proc in (a, b):
