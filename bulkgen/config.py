@@ -18,6 +18,7 @@ from typing import Any
 from bulkgen.errors import ConfigError
 
 DTYPES = ("float32", "bfloat16", "float16")
+QUANTIZATIONS = ("auto", "none", "int8")  # --quantization (engine/quant.py)
 DTYPE_CHOICES = ("auto", *DTYPES)  # auto: float32 where the weights fit, else bfloat16 (engine/memory.py)
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "kernel", "torch", "triton")
@@ -125,6 +126,7 @@ class EngineConfig:
     """Limits of the engine. Sizes left as None are derived from the machine and the model."""
 
     dtype: str = "auto"  # resolved to one of DTYPES when the model loads (engine/memory.choose_dtype)
+    quantization: str = "auto"  # the linear layers' weights: none (as loaded), int8 (W8A8, engine/quant.py); auto: none
     device: str = "auto"
     block_size: int = 32  # tokens per KV block (32 reads K/V in longer runs than 16: BENCHMARKS.md, session 7)
     kv_cache_memory: int | None = None  # bytes for K and V of all layers
@@ -142,6 +144,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _check(self.dtype in DTYPE_CHOICES, f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
+        _check(self.quantization in QUANTIZATIONS,
+               f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         _check(self.device in DEVICES or self.device.startswith("cuda:"),
                f"device must be one of {', '.join(DEVICES)} or cuda:N, got {self.device!r}")
         power_of_two = isinstance(self.block_size, int) and self.block_size >= 1 \

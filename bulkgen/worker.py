@@ -451,7 +451,8 @@ class Worker:
     def _settings(self, engine: EngineProtocol) -> dict[str, Any]:
         """What this run ran with, for `bulkgen report`."""
         config = getattr(engine, "config", self.engine_config)  # its dtype resolved, where the engine has one
-        return {"engine": engine.describe(), "dtype": config.dtype, "device": config.device,
+        return {"engine": engine.describe(), "dtype": config.dtype, "quantization": config.quantization,
+                "device": config.device,
                 "kv_cache_tokens": engine.max_num_tokens, "max_num_seqs": config.max_num_seqs,
                 "max_num_batched_tokens": config.max_num_batched_tokens, "block_size": config.block_size,
                 "attention_backend": config.attention_backend, "kernels": config.kernels,

@@ -50,6 +50,7 @@ class EngineRun:
     kernels: str | None = None  # bulkgen's CPU kernel paths (c, torch), when they differ from the run's
     json_schema: str | None = None  # bulkgen with every output constrained to BENCH_SCHEMAS[this]
     greedy: bool = False  # @greedy: this engine decodes greedily whatever the run's sampling settings
+    quantization: str | None = None  # @int8: bulkgen's linear layers quantized (--quantization), when it differs
 
 
 @dataclass
@@ -83,6 +84,7 @@ def parse_engines(compare: str, dtype: str) -> list[EngineRun]:
         if name not in ENGINES:
             raise ConfigError(f"unknown engine {name!r} in --compare; known: {', '.join(ENGINES)}")
         run_dtype, packing, kv_admission, kernels, json_schema, greedy = dtype, None, None, None, None, False
+        quantization = None
         for suffix in suffixes:
             if suffix == "greedy" and name in ("bulkgen", "bulkgen-store", "vllm"):
                 greedy = True
@@ -96,11 +98,15 @@ def parse_engines(compare: str, dtype: str) -> list[EngineRun]:
                 kernels = suffix
             elif suffix in BENCH_SCHEMAS and name == "bulkgen":
                 json_schema = suffix
+            elif suffix == "int8" and name.startswith("bulkgen"):
+                quantization = suffix
             else:
                 raise ConfigError(f"cannot read {item!r} in --compare: after @ give a dtype, or for bulkgen a "
                                   f"packing policy ({', '.join(PACKINGS)}), no-kv-admission, c / torch (its "
-                                  "CPU kernel paths), json / json-free, or greedy (also for vllm)")
-        runs.append(EngineRun(name, run_dtype, packing, item, kv_admission, kernels, json_schema, greedy))
+                                  "CPU kernel paths), int8 (--quantization int8), json / json-free, or greedy "
+                                  "(also for vllm)")
+        runs.append(EngineRun(name, run_dtype, packing, item, kv_admission, kernels, json_schema, greedy,
+                              quantization))
     if not any(r.label == "bulkgen" for r in runs):
         runs.insert(0, EngineRun("bulkgen", dtype, None, "bulkgen"))
     return runs
@@ -119,7 +125,8 @@ def run_bench(workload: Workload, options: BenchOptions, log: Callable[[str], No
                 continue
             spec = {"engine": name, "model": options.model_path, "workload": str(workload_path), "dtype": dtype,
                     "engine_config": {**options.engine_config, "dtype": dtype,
-                                      **({"kernels": run.kernels} if run.kernels else {})},
+                                      **({"kernels": run.kernels} if run.kernels else {}),
+                                      **({"quantization": run.quantization} if run.quantization else {})},
                     "packing": run.packing or options.packing,
                     "kv_admission": options.kv_admission if run.kv_admission is None else run.kv_admission,
                     "hf_batch_sizes": options.hf_batch_sizes,

@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from bulkgen.config import ATTENTION_BACKENDS, DTYPE_CHOICES, EngineConfig, Paths
+from bulkgen.config import ATTENTION_BACKENDS, DTYPE_CHOICES, QUANTIZATIONS, EngineConfig, Paths
 from bulkgen.errors import BulkgenError
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
@@ -109,6 +109,10 @@ def engine_options(func: Callable) -> Callable:
         click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default=default.dtype,
                      show_default=True, help="Weights, activations and KV cache (auto: float32 where the weights "
                                              "fit in memory, else bfloat16 where the CPU computes it natively)."),
+        click.option("--quantization", type=click.Choice(QUANTIZATIONS), default=default.quantization,
+                     show_default=True, help="The linear layers' weights: none (as loaded, exact); int8 (per "
+                                             "output channel, activations per token, integer products: a "
+                                             "quarter of float32's bytes, approximate); auto: none."),
         click.option("--device", default=default.device, show_default=True, help="cpu, cuda, cuda:N or auto."),
         click.option("--kv-cache-memory", metavar="SIZE",
                      help="KV cache size, e.g. 2GiB (default on CPU: 4GiB or a quarter of free RAM, at most what "

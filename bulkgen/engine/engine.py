@@ -63,7 +63,8 @@ class Engine:
         layout = runner.layout
         windows = sorted({w for w in layout.group_windows if w})
         sliding = f"; sliding layers hold their window of {', '.join(map(str, windows))}" if windows else ""
-        return (f"model {name} · {self.config.dtype} on {runner.device}{paths} · KV cache "
+        weights = " · int8 weights (W8A8)" if self.config.quantization == "int8" else ""
+        return (f"model {name} · {self.config.dtype}{weights} on {runner.device}{paths} · KV cache "
                 f"{format_size(runner.kv_cache_bytes)} ({runner.max_num_tokens:,} tokens{sliding})")
 
     def add(self, request_id: Any, prompt_token_ids: list[int], params: SamplingParams | None = None) -> None:

@@ -111,12 +111,16 @@ class GatedLinear:
 
 
 def fused(*linears: torch.nn.Linear, pack: bool, kernel: Kernels | None = None) -> Linear:
+    return Linear(*fused_weight(*linears), pack, kernel)
+
+
+def fused_weight(*linears: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Linear layers' weights stacked into one, and their biases (zeros for those without; None where none has one)."""
     weight = torch.cat([lin.weight.detach() for lin in linears])
-    biases = [lin.bias for lin in linears]
-    bias = None if all(b is None for b in biases) else torch.cat([
-        b.detach() if b is not None else torch.zeros(lin.out_features, dtype=weight.dtype, device=weight.device)
-        for b, lin in zip(biases, linears, strict=True)])
-    return Linear(weight, bias, pack, kernel)
+    if all(lin.bias is None for lin in linears):
+        return weight, None
+    return weight, torch.cat([lin.bias.detach() if lin.bias is not None else weight.new_zeros(lin.out_features)
+                              for lin in linears])
 
 
 class PackedLinear(torch.nn.Module):

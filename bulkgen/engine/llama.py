@@ -22,7 +22,8 @@ import torch
 
 from bulkgen.engine import attention
 from bulkgen.engine.cpu.kernels import Kernels
-from bulkgen.engine.layers import GatedLinear, Linear, fused, rotate
+from bulkgen.engine.layers import GatedLinear, Linear, fused, fused_weight, rotate
+from bulkgen.engine.quant import Int8GatedLinear, Int8Linear
 
 FAMILY = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
 
@@ -49,13 +50,19 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
 
 class _Layer:
     def __init__(self, layer: torch.nn.Module, pack: bool, linear_kernel: Kernels | None,
-                 gated_kernel: Kernels | None, ops: Any) -> None:
+                 gated_kernel: Kernels | None, ops: Any, int8: bool, int8_kernel: Kernels | None) -> None:
         attn, mlp = layer.self_attn, layer.mlp
-        self.qkv = fused(attn.q_proj, attn.k_proj, attn.v_proj, pack=pack, kernel=linear_kernel)
         self.q_size, self.kv_size = attn.q_proj.out_features, attn.k_proj.out_features
-        self.o = Linear(attn.o_proj.weight.detach(), None, pack, linear_kernel)
-        self.mlp_in = GatedLinear(mlp.gate_proj, mlp.up_proj, pack, gated_kernel, ops)
-        self.down = Linear(mlp.down_proj.weight.detach(), None, pack, linear_kernel)
+        if int8:  # --quantization int8 (quant.py)
+            self.qkv: Any = Int8Linear(*fused_weight(attn.q_proj, attn.k_proj, attn.v_proj), int8_kernel)
+            self.o: Any = Int8Linear(attn.o_proj.weight, None, int8_kernel)
+            self.mlp_in: Any = Int8GatedLinear(mlp.gate_proj, mlp.up_proj, ops, int8_kernel)
+            self.down: Any = Int8Linear(mlp.down_proj.weight, None, int8_kernel)
+        else:
+            self.qkv = fused(attn.q_proj, attn.k_proj, attn.v_proj, pack=pack, kernel=linear_kernel)
+            self.o = Linear(attn.o_proj.weight.detach(), None, pack, linear_kernel)
+            self.mlp_in = GatedLinear(mlp.gate_proj, mlp.up_proj, pack, gated_kernel, ops)
+            self.down = Linear(mlp.down_proj.weight.detach(), None, pack, linear_kernel)
         self.input_norm = layer.input_layernorm.weight.detach()
         self.post_norm = layer.post_attention_layernorm.weight.detach()
         self.eps = layer.input_layernorm.variance_epsilon
@@ -74,14 +81,14 @@ class LlamaForward:
     `ops` are the small ops (cpu/ops.Ops, or gpu/ops.TritonOps on a GPU)."""
 
     def __init__(self, model: torch.nn.Module, ops: Any, pack: bool, linear_kernel: Kernels | None = None,
-                 gated_kernel: Kernels | None = None) -> None:
+                 gated_kernel: Kernels | None = None, int8: bool = False, int8_kernel: Kernels | None = None) -> None:
         inner = model.model
         self.embed = inner.embed_tokens
         self.rotary = inner.rotary_emb
         self.final_norm = inner.norm.weight.detach()
         self.final_eps = inner.norm.variance_epsilon
         self.ops = ops
-        self.layers = [_Layer(layer, pack, linear_kernel, gated_kernel, ops) for layer in inner.layers]
+        self.layers = [_Layer(layer, pack, linear_kernel, gated_kernel, ops, int8, int8_kernel) for layer in inner.layers]
         head = model.lm_head
         self.lm_head = Linear(head.weight.detach(), None if head.bias is None else head.bias.detach(), pack,
                               linear_kernel)
@@ -114,8 +121,11 @@ class LlamaForward:
 
 
 def make_forward(model: torch.nn.Module, ops: Any, pack: bool, linear_kernel: Kernels | None = None,
-                 gated_kernel: Kernels | None = None) -> Callable[..., torch.Tensor] | None:
-    """The lean forward for this model, or None where it must run through Hugging Face's modules."""
+                 gated_kernel: Kernels | None = None, int8: bool = False,
+                 int8_kernel: Kernels | None = None) -> Callable[..., torch.Tensor] | None:
+    """The lean forward for this model, or None where it must run through Hugging Face's modules. int8: the
+    layers' linear products in int8 (quant.py; the LM head stays in float), in C given int8_kernel."""
     if unsupported_reason(model) is not None:
         return None
-    return LlamaForward(model, ops, pack, linear_kernel, gated_kernel)
+    return LlamaForward(model, ops, pack, linear_kernel, gated_kernel, int8, int8_kernel)
+

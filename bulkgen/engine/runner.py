@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bulkgen.config import DTYPES, EngineConfig, SamplingParams
+from bulkgen.config import DTYPES, EngineConfig, SamplingParams, parse_kernels
 from bulkgen.engine import attention, llama, memory
 from bulkgen.engine.block_manager import KVLayout
 from bulkgen.engine.cpu.attention import kernel_layout
@@ -29,6 +29,7 @@ from bulkgen.engine.cpu.paths import paths_for
 from bulkgen.engine.families import unsupported_features
 from bulkgen.engine.kv_cache import MIN_KV_BLOCKS, KVCache
 from bulkgen.engine.layers import pack_linears
+from bulkgen.engine.quant import quantize_linears
 from bulkgen.engine.scheduler import ScheduledSeq
 from bulkgen.engine.sequence import Sequence
 from bulkgen.errors import ConfigError, ModelError
@@ -42,7 +43,10 @@ TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPES}  # config.DTYPES,
 class ModelRunner:
     def __init__(self, model: str | Path | torch.nn.Module, config: EngineConfig) -> None:
         self.device = _device(config.device)
-        self.config = config = dataclasses.replace(config, dtype=_weights_dtype(model, config, self.device))
+        # auto quantization: none (the exact path), for now
+        quantization = "none" if config.quantization == "auto" else config.quantization
+        self.config = config = dataclasses.replace(config, dtype=_weights_dtype(model, config, self.device),
+                                                   quantization=quantization)
         self.dtype = TORCH_DTYPES[config.dtype]
         if self.device.type == "cpu":
             check_dtype_fits(config.dtype)
@@ -63,9 +67,15 @@ class ModelRunner:
         self.kernel = self.paths.kernel
         self.ops = _triton_ops() if self.use_triton \
             else Ops(self.paths.c("small_ops"), self.dtype, self.paths.c("sampler"))
+        int8 = config.quantization == "int8"
+        # the int8 products in C wherever the kernels load (qgemm.c: no faster path here), unless --kernels forces
+        # the linear layers to torch
+        int8_kernel = None if parse_kernels(config.kernels).get("linear") == "torch" else self.kernel
         self.forward = llama.make_forward(self.model, self.ops, config.pack_weights, self.paths.c("linear"),
-                                          self.paths.c("gated_mlp")) if lean else None
-        if self.forward is None and config.pack_weights and self.device.type == "cpu":
+                                          self.paths.c("gated_mlp"), int8, int8_kernel) if lean else None
+        if self.forward is None and int8:
+            quantize_linears(self.model, int8_kernel)
+        elif self.forward is None and config.pack_weights and self.device.type == "cpu":
             pack_linears(self.model)
         self.block_size = config.block_size
         if self.use_triton and self.block_size < triton_min_block():

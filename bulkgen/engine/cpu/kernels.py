@@ -30,7 +30,7 @@ from bulkgen.engine.cpu.machine import cpu_flags_line
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("paged_attention.c", "ops.c", "gemm.c", "amx.c", "sampling.c")
+SOURCES = ("paged_attention.c", "ops.c", "gemm.c", "amx.c", "qgemm.c", "sampling.c")
 HEADERS = ("vec.h",)
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 NO_KERNEL_ENV = "BULKGEN_NO_KERNEL"
@@ -77,6 +77,9 @@ SIGNATURES: dict[str, tuple[type | None, str]] = {
     "amx_packed_size": (_I64, "N:i64 K:i64"), "amx_available": (_I, ""),
     "paged_prefill_amx": (_I, "q:p k_cache:p v_cache:p table:p start:i n:i out:p num_heads:i num_kv_heads:i "
                               "head_dim:i block_size:i scale:f num_threads:i"),
+    "qlinear": (None, "x:p M:i64 K:i64 dtype:i packed:p N:i64 scale:p bias:p y:p num_threads:i"),
+    "pack_qlinear": (None, "w:p N:i64 K:i64 out:p num_threads:i"),
+    "qlinear_packed_size": (_I64, "N:i64 K:i64"), "qlinear_available": (_I, ""),
     "kernel_isa_ok": (_I, ""),
 }
 

@@ -1,0 +1,144 @@
+"""--quantization int8 (engine/quant.py) against references written here, in float64 and int64: the integer
+products bit-exact, the layers' outputs to float rounding, and greedy decoding equal to Hugging Face
+`generate()` on the same model with its linear layers replaced by the reference W8A8 layer."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from bulkgen.config import EngineConfig, SamplingParams
+from bulkgen.engine.cpu.kernels import Kernels, load_cpu_kernels
+from bulkgen.engine.engine import Engine
+from bulkgen.engine.quant import Int8Linear
+from bulkgen.errors import ConfigError
+from tests.builds import HAS_AVX512F
+
+
+def _quantize(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric int8 of each row of a (last axis) in float32 arithmetic: (ints, scales as float64)."""
+    a = a.astype(np.float32)
+    scale = np.abs(a).max(axis=-1, keepdims=True) / np.float32(127)
+    scale = np.where(scale > 0, scale, np.float32(1))
+    return np.clip(np.rint(a / scale), -127, 127).astype(np.int64), scale.astype(np.float64)
+
+
+def _reference_w8a8(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+    """The int8 product in int64 and float64: w per row, x per block of 32 (zero-padded), each block's dot
+    product in integers, the blocks' sum in float64."""
+    m, k = x.shape
+    pad = -k % 32
+    xq, xs = _quantize(np.pad(x, ((0, 0), (0, pad))).reshape(m, -1, 32))  # [m, nb, 32], [m, nb, 1]
+    wq, ws = _quantize(w)
+    wq = np.pad(wq, ((0, 0), (0, pad))).reshape(wq.shape[0], -1, 32)  # [n, nb, 32]
+    dots = np.einsum("mbk,nbk->mnb", xq, wq).astype(np.float64)  # exact
+    y = (dots * xs[:, None, :, 0]).sum(-1) * ws.T
+    return y if bias is None else y + bias
+
+
+KERNELS = {"c": "", "torch": None}
+if HAS_AVX512F:
+    KERNELS["c-avx2-build"] = "-mno-avx512f"  # the kernel's plain-C version (no AVX512-VNNI in that build)
+
+
+def _kernel(name: str) -> Kernels | None:
+    flags = KERNELS[name]
+    return None if flags is None else load_cpu_kernels(tuple(flags.split()))
+
+
+@pytest.mark.parametrize("kernel", list(KERNELS))
+def test_integer_products_are_exact(kernel: str) -> None:
+    """Integer-valued rows whose largest value in each block of 32 (x) and in each row (w) is 127 quantize with
+    scale 1: the layer's output is then the int64 dot product itself, bit for bit (small enough for float32's
+    24 bits; K not a multiple of 32, N not of 32: the panels' padding)."""
+    rng = np.random.default_rng(0)
+    for m, k, n in [(1, 64, 48), (5, 577, 190), (13, 1536, 100), (40, 256, 64)]:
+        x = rng.integers(-127, 128, (m, k))
+        w = rng.integers(-20, 21, (n, k))
+        x[:, ::32], w[:, 0] = 127, 127
+        layer = Int8Linear(torch.tensor(w, dtype=torch.float32), None, _kernel(kernel))
+        assert torch.equal(layer(torch.tensor(x, dtype=torch.float32)), torch.tensor((x @ w.T).astype(np.float32)))
+
+
+@pytest.mark.parametrize("kernel", list(KERNELS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_equals_the_reference(dtype: torch.dtype, kernel: str) -> None:
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((7, 320)).astype(np.float32)
+    x[3] = 0  # a row of zeros quantizes to zeros, not NaN
+    w = (rng.standard_normal((96, 320)) * 0.05).astype(np.float32)
+    bias = rng.standard_normal(96).astype(np.float32)
+    x_in = torch.tensor(x).to(dtype)
+    layer = Int8Linear(torch.tensor(w), torch.tensor(bias), _kernel(kernel))
+    expected = _reference_w8a8(x_in.float().numpy(), w, bias)
+    got = layer(x_in)
+    assert got.dtype == dtype and got.shape == (7, 96)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    np.testing.assert_allclose(got.float().numpy(), expected, rtol=tolerance, atol=tolerance)
+    assert torch.equal(got[3].float(), torch.tensor(bias).to(dtype).float())
+
+
+class _ReferenceLinear(torch.nn.Module):
+    """An nn.Linear's W8A8 product through _reference_w8a8 (numpy), for Hugging Face's own modules."""
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        self.w = linear.weight.detach().numpy().copy()
+        self.b = None if linear.bias is None else linear.bias.detach().double().numpy()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1]).detach().numpy()
+        y = _reference_w8a8(rows, self.w, self.b)
+        return torch.tensor(y, dtype=x.dtype).reshape(*x.shape[:-1], -1)
+
+
+def _hf_w8a8_greedy(model_dir: Path, workload: list[tuple[list[int], int]]) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    head = model.get_output_embeddings()
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is torch.nn.Linear and child is not head:
+                setattr(parent, name, _ReferenceLinear(child))
+    out = []
+    with torch.inference_mode():
+        for prompt, max_new in workload:
+            ids = torch.tensor([prompt])
+            generated = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
+                                       min_new_tokens=max_new, do_sample=False)
+            out.append(generated[0, len(prompt):].tolist())
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_int8_greedy_equals_hf_generate_with_reference_layers(family: str, tiny_model_dir: Path,
+                                                               tiny_qwen2_dir: Path) -> None:
+    """Each path (our lean forward with the C kernels, the int8 products included; the same in torch; Hugging Face's modules) against HF generate() on the same weights with the reference
+    W8A8 layer (qwen2: biases on q, k, v)."""
+    model_dir = {"llama": tiny_model_dir, "qwen2": tiny_qwen2_dir}[family]
+    rng = random.Random(3)
+    workload = [([rng.randrange(100, 40000) for _ in range(n)], rng.randint(4, 24)) for n in (1, 9, 40, 130)]
+    expected = _hf_w8a8_greedy(model_dir, workload)
+    for kernels, lean in (("c", True), ("torch", True), ("c", False)):
+        engine = Engine(model_dir, EngineConfig(quantization="int8", kernels=kernels, fast_forward=lean,
+                                                kv_cache_memory=1 << 22, max_num_batched_tokens=64))
+        assert "int8 weights" in engine.describe()
+        assert (engine.runner.forward is not None) == lean
+        if lean:
+            assert (engine.runner.forward.layers[0].down.kernel is not None) == (kernels == "c")
+        for i, (prompt, max_new) in enumerate(workload):
+            engine.add(i, prompt, SamplingParams(max_new_tokens=max_new, ignore_eos=True))
+        outputs = {}
+        while engine.has_unfinished():
+            outputs.update((o.request_id, o.output_token_ids) for o in engine.step())
+        assert [outputs[i] for i in range(len(workload))] == expected, (kernels, lean)
+
+
+def test_a_bad_quantization_is_one_line() -> None:
+    with pytest.raises(ConfigError, match="quantization must be one of auto, none, int8, got 'int4'"):
+        EngineConfig(quantization="int4")
