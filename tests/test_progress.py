@@ -7,6 +7,7 @@ import io
 import os
 import re
 import signal
+import sqlite3
 import subprocess
 import threading
 import time
@@ -82,6 +83,19 @@ NUM = 12
 
 
 @pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
+def _can_write(path: str) -> bool:
+    """Whether a SQLite database's write lock is free now."""
+    conn = sqlite3.connect(path, timeout=0.2)
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        conn.rollback()
+        return True
+    except sqlite3.OperationalError:
+        return False
+    finally:
+        conn.close()
+
+
 def test_a_worker_shows_what_all_workers_committed(tmp_path: Path, db_url: str, tiny_model_dir: Path) -> None:
     """Worker A claims and is paused (SIGSTOP); worker B runs the rest; A resumes and its progress lines count the
     job's committed requests, B's included, with A's own share beside them."""
@@ -110,19 +124,30 @@ def test_a_worker_shows_what_all_workers_committed(tmp_path: Path, db_url: str, 
     a = bulkgen_process([*flags, "--log-every", "0"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     b = None
     a_lines: list[str] = []
-    first_step = threading.Event()
+    stepped = threading.Event()
 
-    def read_a() -> None:  # A's stderr as it comes: A is stopped at its first step's line, its work still ahead
+    def read_a() -> None:  # A's stderr as it comes: A is stopped at a step's line, its work still ahead
         for line in a.stderr:
             a_lines.append(line)
             if "tokens generated" in line:
-                first_step.set()
+                stepped.set()
+
+    def stop_a() -> None:
+        """SIGSTOP A after a step, at a moment it holds no SQLite write lock (else B could never write)."""
+        while True:
+            stepped.clear()
+            assert stepped.wait(120), "worker A ran no step"
+            a.send_signal(signal.SIGSTOP)
+            while Path(f"/proc/{a.pid}/stat").read_text().split(")")[-1].split()[0] != "T":
+                time.sleep(0.01)  # the kernel has not stopped it yet: no event to await for that
+            if not db_url.startswith("sqlite:") or _can_write(db_url.removeprefix("sqlite:///")):
+                return
+            a.send_signal(signal.SIGCONT)
 
     reader = threading.Thread(target=read_a, daemon=True)
     reader.start()
     try:
-        assert first_step.wait(120), "worker A ran no step"
-        a.send_signal(signal.SIGSTOP)
+        stop_a()
         held = count(Request.lease_owner.like(f"%:{a.pid}:%"))
         assert held > 0
         b = bulkgen_process([*flags, "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
