@@ -118,8 +118,9 @@ def _hf_w8a8_greedy(model_dir: Path, workload: list[tuple[list[int], int]]) -> l
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_int8_greedy_equals_hf_generate_with_reference_layers(family: str, tiny_model_dir: Path,
                                                                tiny_qwen2_dir: Path) -> None:
-    """Each path (our lean forward with the C kernels, the int8 products included; the same in torch; Hugging Face's modules) against HF generate() on the same weights with the reference
-    W8A8 layer (qwen2: biases on q, k, v)."""
+    """Each path (our lean forward with the C kernels, the int8 products included; the same in torch; Hugging
+    Face's modules) against HF generate() on the same weights with the reference W8A8 layer (qwen2: biases on
+    q, k, v)."""
     model_dir = {"llama": tiny_model_dir, "qwen2": tiny_qwen2_dir}[family]
     rng = random.Random(3)
     workload = [([rng.randrange(100, 40000) for _ in range(n)], rng.randint(4, 24)) for n in (1, 9, 40, 130)]

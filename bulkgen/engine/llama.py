@@ -88,7 +88,8 @@ class LlamaForward:
         self.final_norm = inner.norm.weight.detach()
         self.final_eps = inner.norm.variance_epsilon
         self.ops = ops
-        self.layers = [_Layer(layer, pack, linear_kernel, gated_kernel, ops, int8, int8_kernel) for layer in inner.layers]
+        self.layers = [_Layer(layer, pack, linear_kernel, gated_kernel, ops, int8, int8_kernel)
+                       for layer in inner.layers]
         head = model.lm_head
         self.lm_head = Linear(head.weight.detach(), None if head.bias is None else head.bias.detach(), pack,
                               linear_kernel)
