@@ -143,3 +143,21 @@ def test_int8_greedy_equals_hf_generate_with_reference_layers(family: str, tiny_
 def test_a_bad_quantization_is_one_line() -> None:
     with pytest.raises(ConfigError, match="quantization must be one of auto, none, int8, got 'int4'"):
         EngineConfig(quantization="int4")
+
+
+def test_int8_on_the_triton_path_equals_hf_generate_with_reference_layers(tiny_llama64_dir: Path) -> None:
+    """The GPU path (Triton attention, KV write and small ops, here in Triton's CPU interpreter; the int8 layers
+    in torch, as on a GPU) against the same reference."""
+    pytest.importorskip("triton")
+    rng = random.Random(4)
+    workload = [([rng.randrange(100, 40000) for _ in range(n)], 6) for n in (3, 40)]
+    expected = _hf_w8a8_greedy(tiny_llama64_dir, workload)
+    engine = Engine(tiny_llama64_dir, EngineConfig(quantization="int8", attention_backend="triton", block_size=16,
+                                                   kv_cache_memory=1 << 22, max_num_batched_tokens=32))
+    assert engine.runner.use_triton and engine.runner.forward.layers[0].down.kernel is None
+    for i, (prompt, max_new) in enumerate(workload):
+        engine.add(i, prompt, SamplingParams(max_new_tokens=max_new, ignore_eos=True))
+    outputs = {}
+    while engine.has_unfinished():
+        outputs.update((o.request_id, o.output_token_ids) for o in engine.step())
+    assert [outputs[i] for i in range(len(workload))] == expected
