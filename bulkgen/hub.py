@@ -6,6 +6,10 @@ mirrors, HF_HUB_OFFLINE, resumed downloads and its file locks between processes.
 fetch (only what a run reads: config, tokenizer, safetensors and their index, or one GGUF file), pins the branch
 to its commit (the job stores it, so a worker tomorrow or on another node runs the same weights), checks the
 disk before the download starts, and turns every failure into one line that says what to do.
+
+Kept whole (over 300 lines): it is one noun, the conversation with the hub. Parsing a name, choosing the files,
+the download and the cache fallback share the same repository metadata and the same error translation (each
+huggingface_hub exception to its one line); split, every part would import the other's private helpers.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ import torch
 
 from bulkgen.engine.cpu.kernels import Kernels
 from bulkgen.engine.cpu.ops import DTYPE_CODES
+from bulkgen.engine.layers import fused_weight
 
 QMAX = 127
 BLOCK = 32  # activations are quantized per block of this many values (qgemm.c's QB)
@@ -81,7 +82,7 @@ class Int8GatedLinear:
     """The MLP's input, silu(x Wg^T) * (x Wu^T), as one int8 product of the fused weights, then silu_mul."""
 
     def __init__(self, gate: torch.nn.Linear, up: torch.nn.Linear, ops: Any, kernel: Kernels | None = None) -> None:
-        self.linear = Int8Linear(torch.cat([gate.weight.detach(), up.weight.detach()]), None, kernel)
+        self.linear = Int8Linear(fused_weight(gate, up)[0], None, kernel)
         self.ops = ops
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
