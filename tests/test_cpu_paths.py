@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -47,6 +49,7 @@ def test_kernels_spec() -> None:
 
 def test_measured_once_then_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("BULKGEN_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_paths, "BUSY_SHARE", 2.0)  # every measurement trusted (the suite's other worker runs)
     paths = choose(kernel(), torch.float32, TINY, {}, "test")
     assert paths.note.startswith("measured on this machine now")
     (cached,) = (tmp_path / "kernels").glob("paths-*.json")
@@ -62,6 +65,32 @@ def test_measured_once_then_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     other = choose(kernel(), torch.float32, SMOL, {}, "test")  # other shapes: measured anew
     assert other.note.startswith("measured on this machine now")
     assert len(list((tmp_path / "kernels").glob("*.json"))) == 2
+
+
+def test_a_race_on_a_busy_machine_is_not_trusted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Other processes hogging every CPU while the race runs: the result says so, is cached flagged busy, and
+    is used while the machine stays busy; a result measured on a quiet machine is trusted as before."""
+    monkeypatch.setenv("BULKGEN_CACHE", str(tmp_path))
+    hogs = [subprocess.Popen([sys.executable, "-c", "print('ready', flush=True)\nwhile True: pass"],
+                             stdout=subprocess.PIPE, text=True) for _ in range(os.cpu_count() or 2)]
+    try:
+        for hog in hogs:
+            assert hog.stdout.readline() == "ready\n"
+        assert cpu.others_share_now(0.2) > cpu_paths.BUSY_SHARE
+        busy = choose(kernel(), torch.float32, TINY, {}, "test")
+        assert "while other processes used" in busy.note and "measured again once it is idle" in busy.note
+        (cached,) = (tmp_path / "kernels").glob("paths-*.json")
+        assert json.loads(cached.read_text())["_busy"] > cpu_paths.BUSY_SHARE
+        still_busy = choose(kernel(), torch.float32, TINY, {}, "test")
+        assert "cached" in still_busy.note and still_busy.families == busy.families
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+    timings = json.loads(cached.read_text())
+    cached.write_text(json.dumps({**timings, "_busy": 0.0}))  # as if measured on a quiet machine
+    quiet = choose(kernel(), torch.float32, TINY, {}, "test")
+    assert "cached" in quiet.note and quiet.families == busy.families
 
 
 def test_forced_paths_and_what_c_cannot_take(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -25,7 +25,7 @@ import torch
 
 from bulkgen.config import KERNEL_FAMILIES, EngineConfig, Paths, parse_kernels
 from bulkgen.engine.cpu.kernels import NO_KERNEL_ENV, Kernels, load_cpu_kernels
-from bulkgen.engine.cpu.machine import describe_cpu, torch_capability
+from bulkgen.engine.cpu.machine import OtherLoad, describe_cpu, others_share_now, torch_capability
 from bulkgen.engine.cpu.ops import DTYPE_CODES
 from bulkgen.engine.cpu.race import race
 from bulkgen.errors import ConfigError
@@ -35,6 +35,9 @@ log = logging.getLogger(__name__)
 
 KERNELS_ENV = "BULKGEN_KERNELS"  # the --kernels setting for processes started without the flag
 CACHE_VERSION = 2
+# A race during which other processes used more than this share of the CPUs is cached but not trusted: the
+# next engine start that finds the machine quiet (others under half that share for 0.1 s) measures again.
+BUSY_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -146,6 +149,11 @@ def _why_not_c(kernel: Kernels, family: str, dtype: torch.dtype, shape: ModelSha
     return None
 
 
+def _quiet_now() -> bool:
+    share = others_share_now(0.1)
+    return share is not None and share < BUSY_SHARE / 2
+
+
 def _race_cached(kernel: Kernels, dtype: torch.dtype, shape: ModelShape, block_size: int, racing: list[str],
                  decided: dict[str, FamilyPath]) -> tuple[dict[str, FamilyPath], str]:
     small_ops_c = decided["small_ops"].use_c if "small_ops" in decided else None
@@ -154,18 +162,28 @@ def _race_cached(kernel: Kernels, dtype: torch.dtype, shape: ModelShape, block_s
     cache_file = Paths().cache_dir / "kernels" / f"paths-{hashlib.sha256(key_text.encode()).hexdigest()[:16]}.json"
     try:
         timings = json.loads(cache_file.read_text())
+        if timings.get("_busy", 0.0) > BUSY_SHARE and _quiet_now():
+            raise ValueError("measured on a busy machine, and this one is idle now: measure again")
         note = f"measured on this machine {timings.pop('_measured_at')} (cached in {cache_file})"
     except (OSError, ValueError, KeyError):
         started = time.perf_counter()
-        timings = race(kernel, dtype, shape, block_size, racing, small_ops_c)
+        with OtherLoad() as load:
+            timings = race(kernel, dtype, shape, block_size, racing, small_ops_c)
         note = f"measured on this machine now, in {time.perf_counter() - started:.2f} s"
+        busy = load.share or 0.0
+        if busy > BUSY_SHARE:
+            note += f", while other processes used {busy:.0%} of its CPUs (measured again once it is idle)"
+            log.info("bulkgen: the kernel paths were measured while other processes used %.0f%% of the CPUs; "
+                     "they are measured again on an idle machine", 100 * busy)
         try:
             cache_file.parent.mkdir(parents=True, exist_ok=True)
             tmp = cache_file.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({**timings, "_measured_at": time.strftime("%Y-%m-%d %H:%M")}))
+            tmp.write_text(json.dumps({**timings, "_measured_at": time.strftime("%Y-%m-%d %H:%M"),
+                                       "_busy": round(busy, 3)}))
             os.replace(tmp, cache_file)
         except OSError as exc:
             log.warning("bulkgen: could not cache the kernel timings in %s (%s)", cache_file, exc)
+    timings.pop("_busy", None)
     out = {}
     for family in racing:
         c_s, torch_s = timings[family]
