@@ -115,8 +115,8 @@ def keep_freed_memory() -> None:
 class OtherLoad:
     """The share of the machine's CPU time that other processes (and, in a guest, other guests: steal) used
     while a `with` block ran, from /proc/stat less this process's own CPU time; `share` stays None where
-    /proc/stat cannot be read. A race of kernels measured while a compiler ran beside it once chose the
-    slower paths for every later run (0.73x vLLM instead of 0.97x)."""
+    /proc/stat cannot be read. A race of kernels measured beside a `pip install` once chose the slower paths
+    for every later run (0.73x vLLM instead of 0.97x)."""
 
     share: float | None = None
 
@@ -147,7 +147,7 @@ def _cpu_sample() -> tuple[int, int, float] | None:
     return total - fields[3] - fields[4], total, times.user + times.system
 
 
-def others_share_now(seconds: float = 0.05) -> float | None:
+def others_share_now(seconds: float = 0.1) -> float | None:
     """OtherLoad's share over the next `seconds` (a measurement window: this process does nothing in it)."""
     with OtherLoad() as load:
         time.sleep(seconds)

@@ -150,7 +150,7 @@ def _why_not_c(kernel: Kernels, family: str, dtype: torch.dtype, shape: ModelSha
 
 
 def _quiet_now() -> bool:
-    share = others_share_now(0.1)
+    share = others_share_now()
     return share is not None and share < BUSY_SHARE / 2
 
 
@@ -174,7 +174,7 @@ def _race_cached(kernel: Kernels, dtype: torch.dtype, shape: ModelShape, block_s
         if busy > BUSY_SHARE:
             note += f", while other processes used {busy:.0%} of its CPUs (measured again once it is idle)"
             log.info("bulkgen: the kernel paths were measured while other processes used %.0f%% of the CPUs; "
-                     "they are measured again on an idle machine", 100 * busy)
+                     "they are measured again once it is idle", 100 * busy)
         try:
             cache_file.parent.mkdir(parents=True, exist_ok=True)
             tmp = cache_file.with_suffix(f".{os.getpid()}.tmp")
