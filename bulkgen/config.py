@@ -18,7 +18,7 @@ from typing import Any
 from bulkgen.errors import ConfigError
 
 DTYPES = ("float32", "bfloat16", "float16")
-QUANTIZATIONS = ("auto", "none", "int8")  # --quantization (engine/quant.py)
+QUANTIZATIONS = ("auto", "none", "int8", "gguf")  # --quantization (engine/quant.py, engine/blocks.py)
 DTYPE_CHOICES = ("auto", *DTYPES)  # auto: float32 where the weights fit, else bfloat16 (engine/memory.py)
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "kernel", "torch", "triton")
@@ -126,7 +126,9 @@ class EngineConfig:
     """Limits of the engine. Sizes left as None are derived from the machine and the model."""
 
     dtype: str = "auto"  # resolved to one of DTYPES when the model loads (engine/memory.choose_dtype)
-    quantization: str = "auto"  # the linear layers' weights: none (as loaded), int8 (W8A8, engine/quant.py); auto: none
+    # the linear layers' weights: none (as loaded), int8 (W8A8, engine/quant.py), gguf (a GGUF file's own blocks,
+    # engine/blocks.py); auto: none where the dequantized weights fit in memory, else gguf (engine/runner.py)
+    quantization: str = "auto"
     device: str = "auto"
     block_size: int = 32  # tokens per KV block (32 reads K/V in longer runs than 16: BENCHMARKS.md, session 7)
     kv_cache_memory: int | None = None  # bytes for K and V of all layers

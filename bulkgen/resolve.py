@@ -8,6 +8,7 @@ saved as safetensors in the cache, so later loads take well under a second.
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import hashlib
 import importlib.util
@@ -25,6 +26,7 @@ from pathlib import Path
 from bulkgen.config import Paths
 from bulkgen.engine.memory import CPU_HEADROOM_BYTES, MIN_KV_BYTES, available_memory
 from bulkgen.errors import ModelError
+from bulkgen.gguf_info import GGUFInfo
 from bulkgen.hub import fetch, parse_hub_name
 from bulkgen.model import HF_LOAD_LOCK
 
@@ -160,27 +162,40 @@ def _find_alias_gguf(name: str, alias: Alias, paths: Paths, log: Log) -> Path:
 def _convert_gguf(gguf: Path, target: Path, log: Log) -> None:
     """Dequantize a GGUF file once and save it as a safetensors directory: float32 where the model fits in
     memory so (exact: every dequantized weight kept as is), else bfloat16 (a 4.9 GB Q4_K_M 8B file would be
-    32 GB in float32, 16 GB in bfloat16)."""
+    32 GB in float32, 16 GB in bfloat16). Where neither fits, only its config and tokenizer: the model then
+    runs from the file's own blocks (--quantization gguf). Either way the directory names the file and what
+    its blocks take (gguf_info.py)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    dtype = _gguf_dtype(gguf)
-    log(f"bulkgen: converting {gguf.name} to {dtype} safetensors in {target} (once; about 20 s a GB)")
+    info = GGUFInfo.of_file(gguf, weights=True)
+    dtype = _gguf_dtype(info)
+    if dtype is None:
+        log(f"bulkgen: {gguf.name} dequantized would not fit in this machine's memory: it runs from its own "
+            f"blocks (--quantization gguf); its config and tokenizer go to {target}")
+        info = dataclasses.replace(info, weights=False)
+    else:
+        log(f"bulkgen: converting {gguf.name} to {dtype} safetensors in {target} (once; about 20 s a GB)")
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         with HF_LOAD_LOCK:
-            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=getattr(torch, dtype))
+            if dtype is None:
+                model = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            else:
+                model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                             dtype=getattr(torch, dtype))
+                # The weights are plain tensors now; saving must not claim they are still quantized.
+                model.hf_quantizer = None
+                if hasattr(model.config, "quantization_config"):
+                    del model.config.quantization_config
     except Exception as exc:
         raise ModelError(f"cannot load GGUF file {gguf}: {exc}") from exc
-    # The weights are plain tensors now; saving must not claim they are still quantized.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
     try:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
+        info.save(staging)
         (staging / ".bulkgen-complete").write_text(f"converted from {gguf}\n")
         if target.exists():
             shutil.rmtree(target)
@@ -190,16 +205,12 @@ def _convert_gguf(gguf: Path, target: Path, log: Log) -> None:
     log(f"bulkgen: {gguf.name} is ready in {target}")
 
 
-def _gguf_dtype(gguf: Path) -> str:
+def _gguf_dtype(info: GGUFInfo) -> str | None:
     """float32 where the dequantized weights fit beside a KV cache in this machine's memory, else bfloat16 (the
-    weights' own GGUF types are 4-8 bits: bfloat16 holds them closely)."""
-    from gguf import GGUFReader
-
-    try:
-        num_weights = sum(int(t.n_elements) for t in GGUFReader(gguf).tensors)
-    except Exception as exc:  # a damaged or foreign file fails in the reader in many ways
-        raise ModelError(f"cannot read GGUF file {gguf}: {exc}") from exc
-    return "float32" if 4 * num_weights + MIN_KV_BYTES + CPU_HEADROOM_BYTES <= available_memory() else "bfloat16"
+    weights' own GGUF types are 4-8 bits: bfloat16 holds them closely); None where neither fits."""
+    num_weights = info.float_values + info.block_values
+    room = available_memory() - MIN_KV_BYTES - CPU_HEADROOM_BYTES
+    return "float32" if 4 * num_weights <= room else "bfloat16" if 2 * num_weights <= room else None
 
 
 @contextmanager

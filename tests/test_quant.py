@@ -141,7 +141,7 @@ def test_int8_greedy_equals_hf_generate_with_reference_layers(family: str, tiny_
 
 
 def test_a_bad_quantization_is_one_line() -> None:
-    with pytest.raises(ConfigError, match="quantization must be one of auto, none, int8, got 'int4'"):
+    with pytest.raises(ConfigError, match="quantization must be one of auto, none, int8, gguf, got 'int4'"):
         EngineConfig(quantization="int4")
 
 

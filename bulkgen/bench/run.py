@@ -50,7 +50,7 @@ class EngineRun:
     kernels: str | None = None  # bulkgen's CPU kernel paths (c, torch), when they differ from the run's
     json_schema: str | None = None  # bulkgen with every output constrained to BENCH_SCHEMAS[this]
     greedy: bool = False  # @greedy: this engine decodes greedily whatever the run's sampling settings
-    quantization: str | None = None  # @int8: bulkgen's linear layers quantized (--quantization), when it differs
+    quantization: str | None = None  # @int8, @gguf: bulkgen's --quantization, where it differs
 
 
 @dataclass
@@ -98,12 +98,12 @@ def parse_engines(compare: str, dtype: str) -> list[EngineRun]:
                 kernels = suffix
             elif suffix in BENCH_SCHEMAS and name == "bulkgen":
                 json_schema = suffix
-            elif suffix == "int8" and name.startswith("bulkgen"):
+            elif suffix in ("int8", "gguf") and name.startswith("bulkgen"):
                 quantization = suffix
             else:
                 raise ConfigError(f"cannot read {item!r} in --compare: after @ give a dtype, or for bulkgen a "
                                   f"packing policy ({', '.join(PACKINGS)}), no-kv-admission, c / torch (its "
-                                  "CPU kernel paths), int8 (--quantization int8), json / json-free, or greedy "
+                                  "CPU kernel paths), int8 / gguf (--quantization), json / json-free, or greedy "
                                   "(also for vllm)")
         runs.append(EngineRun(name, run_dtype, packing, item, kv_admission, kernels, json_schema, greedy,
                               quantization))

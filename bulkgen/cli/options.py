@@ -111,8 +111,11 @@ def engine_options(func: Callable) -> Callable:
                                              "fit in memory, else bfloat16 where the CPU computes it natively)."),
         click.option("--quantization", type=click.Choice(QUANTIZATIONS), default=default.quantization,
                      show_default=True, help="The linear layers' weights: none (as loaded, exact); int8 (per "
-                                             "output channel, activations per token, integer products: a "
-                                             "quarter of float32's bytes, approximate); auto: none."),
+                                             "output channel, activations per block of 32, integer products: a "
+                                             "quarter of float32's bytes, approximate); gguf (a GGUF model's "
+                                             "own blocks, Q4_K etc., integer products: the file's size, "
+                                             "approximate); auto: none where the dequantized weights fit in "
+                                             "memory, else gguf."),
         click.option("--device", default=default.device, show_default=True, help="cpu, cuda, cuda:N or auto."),
         click.option("--kv-cache-memory", metavar="SIZE",
                      help="KV cache size, e.g. 2GiB (default on CPU: 4GiB or a quarter of free RAM, at most what "

@@ -63,7 +63,8 @@ class Engine:
         layout = runner.layout
         windows = sorted({w for w in layout.group_windows if w})
         sliding = f"; sliding layers hold their window of {', '.join(map(str, windows))}" if windows else ""
-        weights = " · int8 weights (W8A8)" if self.config.quantization == "int8" else ""
+        weights = {"int8": " · int8 weights (W8A8)", "gguf": f" · GGUF blocks ({runner.weight_kinds()})"}.get(
+            self.config.quantization, "")
         return (f"model {name} · {self.config.dtype}{weights} on {runner.device}{paths} · KV cache "
                 f"{format_size(runner.kv_cache_bytes)} ({runner.max_num_tokens:,} tokens{sliding})")
 

@@ -20,10 +20,11 @@ from typing import Any
 
 import torch
 
-from bulkgen.engine import attention
+from bulkgen.engine import attention, blocks
+from bulkgen.engine.blocks import GGUFLinear
 from bulkgen.engine.cpu.kernels import Kernels
 from bulkgen.engine.layers import GatedLinear, Linear, fused, fused_weight, rotate
-from bulkgen.engine.quant import Int8GatedLinear, Int8Linear
+from bulkgen.engine.quant import Int8GatedLinear, Int8Linear, SiluMulAfter
 
 FAMILY = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
 
@@ -43,7 +44,8 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     if attn.o_proj.bias is not None or any(getattr(mlp, n).bias is not None
                                            for n in ("gate_proj", "up_proj", "down_proj")):
         return "biases on o_proj or the MLP"
-    if not all(type(getattr(attn, n)) is torch.nn.Linear for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
+    if not all(type(getattr(attn, n)) in (torch.nn.Linear, GGUFLinear)
+               for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
         return "non-standard projections"
     return None
 
@@ -53,7 +55,12 @@ class _Layer:
                  gated_kernel: Kernels | None, ops: Any, int8: bool, int8_kernel: Kernels | None) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.q_size, self.kv_size = attn.q_proj.out_features, attn.k_proj.out_features
-        if int8:  # --quantization int8 (quant.py)
+        if isinstance(attn.q_proj, GGUFLinear):  # --quantization gguf (blocks.py): the file's own blocks
+            self.qkv = blocks.fused(attn.q_proj, attn.k_proj, attn.v_proj)
+            self.o = attn.o_proj.linear
+            self.mlp_in = SiluMulAfter(blocks.fused(mlp.gate_proj, mlp.up_proj), ops)
+            self.down = mlp.down_proj.linear
+        elif int8:  # --quantization int8 (quant.py)
             self.qkv: Any = Int8Linear(*fused_weight(attn.q_proj, attn.k_proj, attn.v_proj), int8_kernel)
             self.o: Any = Int8Linear(attn.o_proj.weight, None, int8_kernel)
             self.mlp_in: Any = Int8GatedLinear(mlp.gate_proj, mlp.up_proj, ops, int8_kernel)
@@ -91,8 +98,8 @@ class LlamaForward:
         self.layers = [_Layer(layer, pack, linear_kernel, gated_kernel, ops, int8, int8_kernel)
                        for layer in inner.layers]
         head = model.lm_head
-        self.lm_head = Linear(head.weight.detach(), None if head.bias is None else head.bias.detach(), pack,
-                              linear_kernel)
+        self.lm_head = head.linear if isinstance(head, GGUFLinear) else Linear(
+            head.weight.detach(), None if head.bias is None else head.bias.detach(), pack, linear_kernel)
         model.lm_head = torch.nn.Identity()  # its (packed) copy is ours now; tied embeddings keep theirs
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,

@@ -19,6 +19,7 @@ import psutil
 from bulkgen.config import format_size, parse_size
 from bulkgen.engine.cpu.machine import native_dtype_problem
 from bulkgen.errors import ConfigError
+from bulkgen.gguf_info import GGUFInfo
 from bulkgen.model import DTYPE_BYTES, ModelShape, estimated_weight_count, read_config, weight_count
 
 MEMORY_LIMIT_ENV = "BULKGEN_MEMORY_LIMIT"  # e.g. 16GiB: count no more than this as free (a machine shared with others)
@@ -58,11 +59,12 @@ def _cgroup_room(root: Path = Path("/sys/fs/cgroup")) -> int | None:
 
 
 def choose_dtype(requested: str, num_weights: int, kv_bytes: int | None, available: int, native: set[str],
-                 on_gpu: bool, name: str) -> str:
+                 on_gpu: bool, name: str, block_bytes: int = 0) -> str:
     """The dtype to load a model of num_weights parameters in. requested: "auto" or a dtype; kv_bytes: the KV
     cache's size where given (None: it takes what is left, at least MIN_KV_BYTES); available: free bytes (on a
     GPU its memory is sized elsewhere: auto is bfloat16 there); native: the low-precision dtypes this CPU
-    computes natively. ConfigError with the numbers where nothing fits."""
+    computes natively; block_bytes: weights kept in a GGUF file's blocks, whatever the dtype. ConfigError with
+    the numbers where nothing fits."""
     if on_gpu:
         return "bfloat16" if requested == "auto" else requested
     if kv_bytes is not None and kv_bytes + CPU_HEADROOM_BYTES > available:  # whatever the weights' dtype
@@ -72,29 +74,39 @@ def choose_dtype(requested: str, num_weights: int, kv_bytes: int | None, availab
     kv = kv_bytes if kv_bytes is not None else MIN_KV_BYTES
 
     def fits(dtype: str) -> bool:
-        return num_weights * DTYPE_BYTES[dtype] + kv + CPU_HEADROOM_BYTES <= available
+        return block_bytes + num_weights * DTYPE_BYTES[dtype] + kv + CPU_HEADROOM_BYTES <= available
 
     if requested != "auto":
         if fits(requested):
             return requested
         smaller = requested == "float32" and "bfloat16" in native and fits("bfloat16")
         hint = "; --dtype bfloat16 (or auto) fits" if smaller else ""
-        raise ConfigError(f"{name} does not fit in {requested}: {_numbers(num_weights, requested, kv, available)}"
-                          f"{hint}")
+        raise ConfigError(f"{name} does not fit in {requested}: "
+                          f"{_numbers(num_weights, requested, kv, available, block_bytes)}{hint}")
     if fits("float32"):
         return "float32"
     if "bfloat16" in native and fits("bfloat16"):
         return "bfloat16"
     tried = "float32 or bfloat16" if "bfloat16" in native else "float32 (and this CPU has no native bfloat16)"
+    smallest = "bfloat16" if "bfloat16" in native else "float32"
     raise ConfigError(f"{name} fits in no dtype this machine runs, {tried}: "
-                      f"{_numbers(num_weights, 'bfloat16' if 'bfloat16' in native else 'float32', kv, available)}; "
+                      f"{_numbers(num_weights, smallest, kv, available, block_bytes)}; "
                       f"free memory, lower --kv-cache-memory, or use a smaller model")
 
 
-def _numbers(num_weights: int, dtype: str, kv: int, available: int) -> str:
-    return (f"its {num_weights / 1e9:.2f} B weights take {format_size(num_weights * DTYPE_BYTES[dtype])} in {dtype}, "
+def _numbers(num_weights: int, dtype: str, kv: int, available: int, block_bytes: int = 0) -> str:
+    blocks = f"its GGUF blocks take {format_size(block_bytes)}, " if block_bytes else ""
+    return (f"{blocks}its {num_weights / 1e9:.2f} B {'other ' if blocks else ''}weights take "
+            f"{format_size(num_weights * DTYPE_BYTES[dtype])} in {dtype}, "
             f"the KV cache {format_size(kv)} and activations about {format_size(CPU_HEADROOM_BYTES)}, and "
             f"{format_size(available)} of memory is free")
+
+
+def gguf_dtype(requested: str, info: GGUFInfo, kv_bytes: int | None, on_gpu: bool, name: str) -> str:
+    """choose_dtype for a model run from its GGUF file's blocks (--quantization gguf): the blocks at their size,
+    the rest (embeddings, norms) in the dtype."""
+    return choose_dtype(requested, info.float_values, kv_bytes, available_memory(), native_dtypes(), on_gpu, name,
+                        block_bytes=info.bytes_in(0))
 
 
 def native_dtypes() -> set[str]:

@@ -36,6 +36,14 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(x / scale).clamp_(-QMAX, QMAX).to(torch.int8), scale
 
 
+def quantized_activations(rows: torch.Tensor) -> torch.Tensor:
+    """rows [M, K] float32 as the C kernels see them: quantized per block of 32 (zero-padded) and back, dp."""
+    k = rows.shape[-1]
+    blocks = torch.nn.functional.pad(rows, (0, -k % BLOCK)).view(rows.shape[0], -1, BLOCK)
+    p, d = quantize_rows(blocks)
+    return (p.float() * d).view(rows.shape[0], -1)[:, :k]
+
+
 class Int8Linear:
     """y = x W^T + b with W in int8 per output channel and x quantized per block of 32 at each call (module
     doc): through our C kernel where given (`kernel`), else in torch."""
@@ -69,24 +77,27 @@ class Int8Linear:
 
     def _torch(self, x: torch.Tensor) -> torch.Tensor:
         """The same quantization, the products in float32 (no C kernels: a GPU, or no compiler)."""
-        rows = x.reshape(-1, self.in_features).float()
-        pad = -self.in_features % BLOCK
-        blocks = torch.nn.functional.pad(rows, (0, pad)).view(rows.shape[0], -1, BLOCK)
-        p, d = quantize_rows(blocks)
-        x_q = (p.float() * d).view(rows.shape[0], -1)[:, :self.in_features]
+        x_q = quantized_activations(x.reshape(-1, self.in_features).float())
         y = torch.nn.functional.linear(x_q, self.weight.float() * self.scale[:, None], self.bias)
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
 
-class Int8GatedLinear:
-    """The MLP's input, silu(x Wg^T) * (x Wu^T), as one int8 product of the fused weights, then silu_mul."""
+class SiluMulAfter:
+    """The MLP's input, silu(x Wg^T) * (x Wu^T), as one product of the fused weights (int8 or GGUF blocks), then
+    the small ops' silu_mul."""
 
-    def __init__(self, gate: torch.nn.Linear, up: torch.nn.Linear, ops: Any, kernel: Kernels | None = None) -> None:
-        self.linear = Int8Linear(fused_weight(gate, up)[0], None, kernel)
-        self.ops = ops
+    def __init__(self, linear: Any, ops: Any) -> None:
+        self.linear, self.ops = linear, ops
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.silu_mul(self.linear(x))
+
+
+class Int8GatedLinear(SiluMulAfter):
+    """SiluMulAfter of the gate's and up's weights fused in one Int8Linear."""
+
+    def __init__(self, gate: torch.nn.Linear, up: torch.nn.Linear, ops: Any, kernel: Kernels | None = None) -> None:
+        super().__init__(Int8Linear(fused_weight(gate, up)[0], None, kernel), ops)
 
 
 class Int8Module(torch.nn.Module):

@@ -23,16 +23,19 @@ from bulkgen.config import DTYPES, EngineConfig, SamplingParams, parse_kernels
 from bulkgen.engine import attention, llama, memory
 from bulkgen.engine.block_manager import KVLayout
 from bulkgen.engine.cpu.attention import kernel_layout
+from bulkgen.engine.cpu.kernels import load_cpu_kernels
 from bulkgen.engine.cpu.machine import check_dtype_fits, keep_freed_memory
 from bulkgen.engine.cpu.ops import Ops
 from bulkgen.engine.cpu.paths import paths_for
 from bulkgen.engine.families import unsupported_features
+from bulkgen.engine.gguf_load import load_gguf, weight_kinds
 from bulkgen.engine.kv_cache import MIN_KV_BLOCKS, KVCache
 from bulkgen.engine.layers import pack_linears
 from bulkgen.engine.quant import quantize_linears
 from bulkgen.engine.scheduler import ScheduledSeq
 from bulkgen.engine.sequence import Sequence
 from bulkgen.errors import ConfigError, ModelError
+from bulkgen.gguf_info import GGUFInfo, gguf_info
 from bulkgen.model import HF_LOAD_LOCK, ModelShape, context_length
 
 log = logging.getLogger(__name__)
@@ -43,17 +46,22 @@ TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPES}  # config.DTYPES,
 class ModelRunner:
     def __init__(self, model: str | Path | torch.nn.Module, config: EngineConfig) -> None:
         self.device = _device(config.device)
-        # auto quantization: none (the exact path), for now
-        quantization = "none" if config.quantization == "auto" else config.quantization
-        self.config = config = dataclasses.replace(config, dtype=_weights_dtype(model, config, self.device),
-                                                   quantization=quantization)
+        quantization, gguf = _quantization(model, config, self.device)
+        dtype = _weights_dtype(model, config, self.device, gguf if quantization == "gguf" else None)
+        self.config = config = dataclasses.replace(config, dtype=dtype, quantization=quantization)
         self.dtype = TORCH_DTYPES[config.dtype]
         if self.device.type == "cpu":
             check_dtype_fits(config.dtype)
             if config.num_threads:
                 torch.set_num_threads(config.num_threads)
             keep_freed_memory()
-        self.model = _load(model, self.dtype, self.device)
+        if gguf is not None and quantization == "gguf":  # the linear layers in the file's own blocks
+            in_c = self.device.type == "cpu" and parse_kernels(config.kernels).get("linear") != "torch"
+            blocks_kernel = load_cpu_kernels() if in_c else None
+            self.model = _checked(load_gguf(gguf.gguf, Path(model), self.dtype, blocks_kernel)).to(self.device)
+        else:
+            self.model = _load(model, self.dtype, self.device)
+        self._weight_kinds = weight_kinds(self.model)  # GGUF blocks' types, before the lean forward takes them
         self.shape = ModelShape.of(self.model.config)
         # the engine's cap on a sequence's tokens: the KV cache's default size and decode graphs' tables follow it
         context = context_length(self.model.config, str(self.model.config._name_or_path or type(self.model).__name__))
@@ -96,6 +104,10 @@ class ModelRunner:
         # CUDA graphs pad decode steps with rows that write a scratch block no sequence owns (gpu/graphs.py)
         self.use_graphs = self._use_graphs()
         self._make_cache(self.layout)
+
+    def weight_kinds(self) -> str:
+        """The linear layers' GGUF types, most layers first: "Q4_K + Q6_K" (--quantization gguf)."""
+        return " + ".join(kind for kind, _ in self._weight_kinds.most_common())
 
     def _make_cache(self, layout: KVLayout, num_blocks: int | None = None) -> None:
         """The KV cache (of num_blocks blocks where given, else of the configured budget) and what reads it."""
@@ -398,10 +410,43 @@ def _use_triton(device: torch.device, backend: str) -> bool:
     return True
 
 
-def _weights_dtype(model: str | Path | torch.nn.Module, config: EngineConfig, device: torch.device) -> str:
-    """The dtype the weights load in: --dtype, or for auto what fits (engine/memory.py); checked before
-    anything is loaded."""
+def _quantization(model: str | Path | torch.nn.Module, config: EngineConfig,
+                  device: torch.device) -> tuple[str, GGUFInfo | None]:
+    """--quantization as it runs (auto: none, the exact path, where the dequantized weights fit in memory, else
+    the GGUF file's blocks), and the model's GGUF file where it came from one. Checked before anything loads."""
+    gguf = None if isinstance(model, torch.nn.Module) else gguf_info(Path(model))
+    requested = config.quantization
+    if requested == "gguf" and gguf is None:
+        raise ConfigError(f"--quantization gguf runs a GGUF file's own blocks, and {_name(model)} did not come from "
+                          "one: give a .gguf file, the default model, or a hub name with :QUANT (or use "
+                          "--quantization int8)")
+    if gguf is not None and not gguf.weights and requested in ("none", "int8"):
+        raise ConfigError(f"{gguf.gguf.name} dequantized does not fit in this machine's memory, so only its blocks "
+                          f"were kept: run it with --quantization gguf (or auto)")
+    if requested != "auto":
+        return requested, gguf
+    if gguf is None:
+        return "none", None
+    if gguf.weights:
+        try:
+            memory.dtype_for(config.dtype, Path(model), config.kv_cache_memory, device.type == "cuda")
+            return "none", gguf
+        except ConfigError:
+            pass
+    return "gguf", gguf
+
+
+def _name(model: str | Path | torch.nn.Module) -> str:
+    return type(model).__name__ if isinstance(model, torch.nn.Module) else Path(model).name
+
+
+def _weights_dtype(model: str | Path | torch.nn.Module, config: EngineConfig, device: torch.device,
+                   gguf: GGUFInfo | None = None) -> str:
+    """The dtype the weights load in: --dtype, or for auto what fits (engine/memory.py; with gguf, the weights
+    not kept in its blocks); checked before anything is loaded."""
     on_gpu = device.type == "cuda"
+    if gguf is not None:
+        return memory.gguf_dtype(config.dtype, gguf, config.kv_cache_memory, on_gpu, gguf.gguf.name)
     if not isinstance(model, torch.nn.Module):
         return memory.dtype_for(config.dtype, Path(model), config.kv_cache_memory, on_gpu)
     num_weights = sum(p.numel() for p in model.parameters())
@@ -440,6 +485,11 @@ def _load(model: str | Path | torch.nn.Module, dtype: torch.dtype, device: torch
             raise ModelError(f"cannot load model {model}: {exc}") from exc
         except (OSError, ValueError) as exc:
             raise ModelError(f"cannot load model {model}: {exc}") from exc
+    return _checked(loaded).to(device=device, dtype=dtype).eval()
+
+
+def _checked(loaded: torch.nn.Module) -> torch.nn.Module:
+    """The model, where bulkgen's attention reaches it and it uses nothing bulkgen does not compute."""
     if loaded.config._attn_implementation != attention.ATTENTION_NAME:
         raise ModelError(f"{type(loaded).__name__} does not use transformers' attention interface; "
                          "bulkgen cannot plug its paged attention into it")
@@ -447,4 +497,4 @@ def _load(model: str | Path | torch.nn.Module, dtype: torch.dtype, device: torch
     if missing is not None:
         raise ModelError(f"{type(loaded).__name__} uses {missing}, which bulkgen does not compute "
                          "yet: it cannot run this model exactly")
-    return loaded.to(device=device, dtype=dtype).eval()
+    return loaded

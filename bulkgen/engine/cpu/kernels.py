@@ -30,7 +30,7 @@ from bulkgen.engine.cpu.machine import cpu_flags_line
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("paged_attention.c", "ops.c", "gemm.c", "amx.c", "qgemm.c", "sampling.c")
+SOURCES = ("paged_attention.c", "ops.c", "gemm.c", "amx.c", "qgemm.c", "qblocks.c", "sampling.c")
 HEADERS = ("vec.h",)
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 NO_KERNEL_ENV = "BULKGEN_NO_KERNEL"
@@ -80,6 +80,10 @@ SIGNATURES: dict[str, tuple[type | None, str]] = {
     "qlinear": (None, "x:p M:i64 K:i64 dtype:i packed:p N:i64 scale:p bias:p y:p num_threads:i"),
     "pack_qlinear": (None, "w:p N:i64 K:i64 out:p num_threads:i"),
     "qlinear_packed_size": (_I64, "N:i64 K:i64"), "qlinear_available": (_I, ""),
+    "qblocks_linear": (None, "fmt:i x:p M:i64 K:i64 dtype:i packed:p N:i64 bias:p y:p ldy:i64 num_threads:i"),
+    "pack_qblocks": (None, "fmt:i u:p N:i64 K:i64 s:p m:p sc:p mn:p out:p num_threads:i"),
+    "qblocks_packed_size": (_I64, "fmt:i N:i64 K:i64"), "qblocks_takes": (_I, "fmt:i K:i64"),
+    "qblocks_vnni": (_I, ""),
     "kernel_isa_ok": (_I, ""),
 }
 
