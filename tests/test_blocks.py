@@ -68,7 +68,7 @@ def test_integer_products_are_exact(kind: str, build: str) -> None:
     """x integers whose block of 32 reaches 127 quantizes with scale 1, and the blocks' scales are integers: the
     layer's output is then the int64 product itself, bit for bit (N not a multiple of the 32-row panels)."""
     rng = np.random.default_rng(1)
-    for m, n, k in [(1, 48, 256), (5, 100, 512), (13, 64, 768)]:
+    for m, n, k in [(1, 48, 256), (5, 100, 512), (13, 64, 768), (96, 40, 256)]:  # 96 rows: panels unpacked once
         blocks = _unit_blocks(kind, n, k, rng)
         w = blocks.dequantize().astype(np.int64)
         x = rng.integers(-127, 128, (m, k))

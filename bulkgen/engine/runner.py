@@ -24,7 +24,7 @@ from bulkgen.engine import attention, llama, memory
 from bulkgen.engine.block_manager import KVLayout
 from bulkgen.engine.cpu.attention import kernel_layout
 from bulkgen.engine.cpu.kernels import load_cpu_kernels
-from bulkgen.engine.cpu.machine import check_dtype_fits, keep_freed_memory
+from bulkgen.engine.cpu.machine import check_dtype_fits, keep_freed_memory, release_freed_memory
 from bulkgen.engine.cpu.ops import Ops
 from bulkgen.engine.cpu.paths import paths_for
 from bulkgen.engine.families import unsupported_features
@@ -88,6 +88,8 @@ class ModelRunner:
             quantize_linears(self.model, int8_kernel)
         elif self.forward is None and config.pack_weights and self.device.type == "cpu":
             pack_linears(self.model)
+        if self.device.type == "cpu":
+            release_freed_memory()  # the load's temporaries
         self.block_size = config.block_size
         if self.use_triton and self.block_size < triton_min_block():
             raise ConfigError(f"the Triton kernels take KV blocks of at least {triton_min_block()} tokens (tensor-core "

@@ -112,6 +112,15 @@ def keep_freed_memory() -> None:
     libc.mallopt(-1, 2**30)  # M_TRIM_THRESHOLD
 
 
+def release_freed_memory() -> None:
+    """Hand what the heap keeps (keep_freed_memory) back to the kernel once: after loading, where a GGUF file's
+    decoding or a model's repacking freed a gigabyte of temporaries the process would otherwise hold."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        return
+
+
 class OtherLoad:
     """The share of the machine's CPU time that other processes (and, in a guest, other guests: steal) used
     while a `with` block ran, from /proc/stat less this process's own CPU time; `share` stays None where

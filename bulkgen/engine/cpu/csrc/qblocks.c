@@ -296,6 +296,78 @@ static inline __attribute__((always_inline)) void qtile_body(const qformat *f, i
     }
 }
 
+/* A panel unpacked once, for the several row tiles of a step: its quants as 8-bit groups (128 bytes a group of
+ * 4 k, as Q8_0's), its scales as float32 [nbw][32] (s; m where the format has one). The tiles then read it as
+ * Q8_0's and do the same arithmetic, so either way gives the same bits. */
+static void unpack_panel(const qformat *f, const uint8_t *panel, int64_t K, uint8_t *uq, float *s, float *m) {
+    for (int64_t b = 0; b < K / f->wb; b++) {
+        const uint8_t *blk = panel + block_offset(f, b);
+        for (int g = 0; g < f->wb / 4; g++) {
+            __m512i w0, w1;
+            unpack_group(f->bits, blk + g * group_bytes(f), &w0, &w1);
+            _mm512_storeu_si512(uq + (b * (f->wb / 4) + g) * 128, w0);
+            _mm512_storeu_si512(uq + (b * (f->wb / 4) + g) * 128 + 64, w1);
+        }
+        const float *head = (const float *)(panel + header_offset(f, b));
+        for (int half = 0; half < 2; half++) {
+            __m512 mh = _mm512_setzero_ps();
+            _mm512_storeu_ps(s + b * QNR + 16 * half, load_scale_vec(f, blk + quant_bytes(f), head, half, &mh));
+            _mm512_storeu_ps(m + b * QNR + 16 * half, mh);
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void qtile_unpacked_body(const qformat *f, int mr, const int8_t *x,
+                                                                      const float *dx, const int32_t *psum,
+                                                                      int64_t K, const uint8_t *uq, const float *sv,
+                                                                      const float *mv, float *out) {
+    int64_t nbw = K / f->wb;
+    __m512 acc_f[QMR_MAX][2];
+    for (int r = 0; r < QMR_MAX; r++)
+        acc_f[r][0] = acc_f[r][1] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nbw; b++) {
+        __m512i acc[QMR_MAX][2];
+        for (int r = 0; r < QMR_MAX; r++)
+            acc[r][0] = acc[r][1] = _mm512_setzero_si512();
+        for (int g = 0; g < f->wb / 4; g++) {
+            const uint8_t *wg = uq + (b * (f->wb / 4) + g) * 128;
+            __m512i w0 = _mm512_loadu_si512(wg), w1 = _mm512_loadu_si512(wg + 64);
+            for (int r = 0; r < QMR_MAX; r++) {
+                if (r >= mr)
+                    break;
+                int32_t four;
+                memcpy(&four, x + r * K + b * f->wb + g * 4, 4);
+                __m512i p = _mm512_set1_epi32(four);
+                acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], w0, p);
+                acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], w1, p);
+            }
+        }
+        __m512 s0 = _mm512_loadu_ps(sv + b * QNR), s1 = _mm512_loadu_ps(sv + b * QNR + 16);
+        __m512 m0 = _mm512_loadu_ps(mv + b * QNR), m1 = _mm512_loadu_ps(mv + b * QNR + 16);
+        for (int r = 0; r < QMR_MAX; r++) {
+            if (r >= mr)
+                break;
+            __m512 d = _mm512_set1_ps(dx[r * nbw + b]);
+            int32_t ps = psum[r * nbw + b];
+            if (!f->asym) {
+                acc[r][0] = _mm512_sub_epi32(acc[r][0], _mm512_set1_epi32(f->zero * ps));
+                acc[r][1] = _mm512_sub_epi32(acc[r][1], _mm512_set1_epi32(f->zero * ps));
+            }
+            acc_f[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][0]), _mm512_mul_ps(s0, d), acc_f[r][0]);
+            acc_f[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][1]), _mm512_mul_ps(s1, d), acc_f[r][1]);
+            if (f->asym) {
+                __m512 dp = _mm512_set1_ps(dx[r * nbw + b] * (float)ps);
+                acc_f[r][0] = _mm512_fmadd_ps(m0, dp, acc_f[r][0]);
+                acc_f[r][1] = _mm512_fmadd_ps(m1, dp, acc_f[r][1]);
+            }
+        }
+    }
+    for (int r = 0; r < mr; r++) {
+        _mm512_storeu_ps(out + r * QNR, acc_f[r][0]);
+        _mm512_storeu_ps(out + r * QNR + 16, acc_f[r][1]);
+    }
+}
+
 /* One function per format and row count, the format's constants folded in. */
 #define QBT(F, MR) \
     static void qbt_##F##_##MR(const int8_t *x, const float *dx, const int32_t *psum, int64_t K, \
@@ -310,10 +382,23 @@ static void qbtile(int fmt, int64_t mr, const int8_t *x, const float *dx, const 
                    const uint8_t *panel, float *out) {
     QBTILES[fmt][mr](x, dx, psum, K, panel, out);
 }
+
+#define QBU(F, MR) \
+    static void qbu_##F##_##MR(const int8_t *x, const float *dx, const int32_t *psum, int64_t K, const uint8_t *uq, \
+                               const float *sv, const float *mv, float *out) { \
+        qtile_unpacked_body(&FORMATS[F], MR, x, dx, psum, K, uq, sv, mv, out); }
+#define QBU_ROWS(F) QBU(F, 1) QBU(F, 2) QBU(F, 3) QBU(F, 4) QBU(F, 5) QBU(F, 6)
+QBU_ROWS(0) QBU_ROWS(1) QBU_ROWS(2) QBU_ROWS(3) QBU_ROWS(4)
+typedef void (*qbu_fn)(const int8_t *, const float *, const int32_t *, int64_t, const uint8_t *, const float *,
+                       const float *, float *);
+#define QBU_TABLE(F) {0, qbu_##F##_1, qbu_##F##_2, qbu_##F##_3, qbu_##F##_4, qbu_##F##_5, qbu_##F##_6}
+static const qbu_fn QBUTILES[][QMR_MAX + 1] = {QBU_TABLE(0), QBU_TABLE(1), QBU_TABLE(2), QBU_TABLE(3), QBU_TABLE(4)};
+#define QB_UNPACK 1
 #else
 #define QMR_MAX 6
 
 int qblocks_vnni(void) { return 0; }
+#define QB_UNPACK 0
 
 /* The same math in plain C: u of a group's byte i (outputs j = i / 4 % 16 + 16 * high, k = i % 4). */
 static inline int quant_at(const qformat *f, const uint8_t *g, int high, int i) {
@@ -378,19 +463,38 @@ void qblocks_linear(int fmt, const void *x, int64_t M, int64_t K, int dtype, con
     for (int64_t m = 0; m < M; m++)
         quantize_x((const char *)x + m * K * elem, dtype, K, f->wb, xq + m * K, dx + m * nbw, psum + m * nbw);
     int64_t groups = (M + QMR_MAX - 1) / QMR_MAX, rows = (M + groups - 1) / groups;
-    #pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t p = 0; p < panels; p++) {
-        float acc[QMR_MAX * QNR];
-        int ncols = (int)(N - p * QNR < QNR ? N - p * QNR : QNR);
-        for (int64_t r0 = 0; r0 < M; r0 += rows) {
-            int64_t mr = M - r0 < rows ? M - r0 : rows;
-            qbtile(fmt, mr, xq + r0 * K, dx + r0 * nbw, psum + r0 * nbw, K, packed + p * pb, acc);
-            for (int64_t r = 0; r < mr; r++)
-                for (int j = 0; j < ncols; j++) {
-                    float v = acc[r * QNR + j] + (bias ? bias[p * QNR + j] : 0.0f);
-                    store(y, (r0 + r) * ldy + p * QNR + j, v, dtype);
-                }
+    /* Several row tiles: each panel unpacked once for all of them, where its unpacking costs more than the copy
+     * (6 bits: from 2 tiles; 4 bits: from 16; never 8 bits: measured per layer of the 1B shape, BENCHMARKS.md) */
+    int unpack = QB_UNPACK && (f->bits == 6 ? groups > 1 : f->bits == 4 ? groups >= 16 : 0);
+    #pragma omp parallel num_threads(num_threads)
+    {
+        uint8_t *uq = unpack ? malloc((size_t)(K * QNR)) : NULL;
+        float *sv = unpack ? malloc((size_t)(2 * nbw * QNR) * sizeof(float)) : NULL;
+        #pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; p++) {
+            float acc[QMR_MAX * QNR];
+            int ncols = (int)(N - p * QNR < QNR ? N - p * QNR : QNR);
+#if QB_UNPACK
+            if (unpack)
+                unpack_panel(f, packed + p * pb, K, uq, sv, sv + nbw * QNR);
+#endif
+            for (int64_t r0 = 0; r0 < M; r0 += rows) {
+                int64_t mr = M - r0 < rows ? M - r0 : rows;
+#if QB_UNPACK
+                if (unpack)
+                    QBUTILES[fmt][mr](xq + r0 * K, dx + r0 * nbw, psum + r0 * nbw, K, uq, sv, sv + nbw * QNR, acc);
+                else
+#endif
+                    qbtile(fmt, mr, xq + r0 * K, dx + r0 * nbw, psum + r0 * nbw, K, packed + p * pb, acc);
+                for (int64_t r = 0; r < mr; r++)
+                    for (int j = 0; j < ncols; j++) {
+                        float v = acc[r * QNR + j] + (bias ? bias[p * QNR + j] : 0.0f);
+                        store(y, (r0 + r) * ldy + p * QNR + j, v, dtype);
+                    }
+            }
         }
+        free(uq);
+        free(sv);
     }
     free(xq);
     free(dx);
