@@ -1,12 +1,14 @@
-"""How far --quantization int8 is from the exact path: perplexity over a fixed text, and greedy agreement.
+"""How far --quantization int8 (or gguf) is from the exact path: perplexity over a fixed text, and greedy agreement.
 
-    python tools/quant_quality.py MODEL_DIR [TEXT_FILE] [--tokens 4096]
+    python tools/quant_quality.py MODEL_DIR [TEXT_FILE] [--tokens 4096] [--quantization int8|gguf]
 
 The model in float32 through Hugging Face's modules, then the same model with its linear layers swapped for the
 engine's own int8 layers (engine/quant.py: every nn.Linear but the output head, as `bulkgen run --quantization
-int8` runs them). Perplexity over the text's first --tokens tokens in windows of 512; greedy agreement: 16
-continuations of 32 tokens from prompts cut from the text, the share of tokens equal to the float32 model's
-before the first difference, and how many continuations are identical. Prints one JSON object.
+int8` runs them), or (gguf: MODEL_DIR converted from a GGUF file) loaded from the file's own blocks
+(engine/gguf_load.py, as `--quantization gguf` runs them) against the same file dequantized. Perplexity over the
+text's first --tokens tokens in windows of 512; greedy agreement: 16 continuations of 32 tokens from prompts cut
+from the text, the share of tokens equal to the float32 model's before the first difference, and how many
+continuations are identical. Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -14,12 +16,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from bulkgen.engine.blocks import GGUFLinear
 from bulkgen.engine.cpu.kernels import load_cpu_kernels
+from bulkgen.engine.gguf_load import load_gguf
 from bulkgen.engine.quant import quantize_linears
+from bulkgen.gguf_info import gguf_info
 
 WINDOW = 512
 
@@ -48,6 +54,7 @@ def main() -> None:
     parser.add_argument("model")
     parser.add_argument("text", nargs="?", default="/usr/share/common-licenses/GPL-3")
     parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--quantization", choices=("int8", "gguf"), default="int8")
     args = parser.parse_args()
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     with open(args.text) as f:
@@ -56,12 +63,18 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     with torch.inference_mode():
         exact_ppl, exact = perplexity(model, ids), continuations(model, prompts)
-        swapped = quantize_linears(model, load_cpu_kernels())
+        if args.quantization == "int8":
+            swapped = quantize_linears(model, load_cpu_kernels())
+        else:
+            model = load_gguf(gguf_info(Path(args.model)).gguf, Path(args.model), torch.float32, load_cpu_kernels())
+            model.set_attn_implementation("sdpa")
+            swapped = sum(isinstance(m, GGUFLinear) for m in model.modules())
         int8_ppl, int8 = perplexity(model, ids), continuations(model, prompts)
     pairs = list(zip(exact, int8, strict=True))
     prefix = [next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), len(x)) for x, y in pairs]
     print(json.dumps({"model": args.model, "text": args.text, "tokens": len(ids), "layers_quantized": swapped,
-                      "perplexity_float32": round(exact_ppl, 4), "perplexity_int8": round(int8_ppl, 4),
+                      "quantization": args.quantization,
+                      "perplexity_float32": round(exact_ppl, 4), f"perplexity_{args.quantization}": round(int8_ppl, 4),
                       "perplexity_change_pct": round(100 * (int8_ppl / exact_ppl - 1), 2),
                       "greedy_tokens_equal_before_first_difference_pct":
                           round(100 * sum(prefix) / sum(map(len, exact)), 1),
