@@ -154,6 +154,11 @@ def tiny_gguf(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     return make_tiny_gguf(out, None, arch=request.param, width=256, ffn=512, kinds=FAMILIES[request.param])
 
 
+def _float_layers(gguf: Path) -> tuple[str, ...]:
+    """The layers the tiny file holds as float matrices."""
+    return ("o_proj",) if FAMILIES[gguf.stem.removeprefix("tiny-")].get("attn_output") == "F16" else ()
+
+
 def test_gguf_greedy_equals_hf_generate_with_reference_layers(tiny_gguf: Path) -> None:
     """Each path (our lean forward with the C kernels; the same with the products in torch; Hugging Face's
     modules with the blocks' layers in them) against HF generate() on the model transformers loads from the
@@ -161,8 +166,7 @@ def test_gguf_greedy_equals_hf_generate_with_reference_layers(tiny_gguf: Path) -
     model_dir = resolve_model(str(tiny_gguf)).path
     rng = random.Random(5)
     workload = [([rng.randrange(0, 256) for _ in range(n)], rng.randint(4, 16)) for n in (1, 9, 40, 130)]
-    float_layers = ("o_proj",) if FAMILIES[tiny_gguf.stem.removeprefix("tiny-")].get("attn_output") == "F16" else ()
-    expected = _hf_reference_greedy(tiny_gguf, workload, float_layers)
+    expected = _hf_reference_greedy(tiny_gguf, workload, _float_layers(tiny_gguf))
     for kernels, lean in (("c", True), ("torch", True), ("c", False)):
         engine = Engine(model_dir, EngineConfig(quantization="gguf", kernels=kernels, fast_forward=lean,
                                                 kv_cache_memory=1 << 22, max_num_batched_tokens=64))
@@ -225,3 +229,22 @@ def test_auto_keeps_the_blocks_where_the_dequantized_weights_do_not_fit(tmp_path
     assert len(list(engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=3, ignore_eos=True))))
     with pytest.raises(ConfigError, match="run it with --quantization gguf"):
         Engine(model_dir, EngineConfig(quantization="none"))
+
+
+def test_gguf_on_the_triton_path_equals_hf_generate_with_reference_layers(tiny_gguf: Path) -> None:
+    """The GPU path (Triton attention, KV write and small ops, here in Triton's CPU interpreter; the blocks'
+    products in torch, as on a GPU) against the same reference."""
+    pytest.importorskip("triton")
+    rng = random.Random(7)
+    workload = [([rng.randrange(0, 256) for _ in range(n)], 5) for n in (3, 40)]
+    expected = _hf_reference_greedy(tiny_gguf, workload, _float_layers(tiny_gguf))
+    engine = Engine(resolve_model(str(tiny_gguf)).path,
+                    EngineConfig(quantization="gguf", attention_backend="triton", block_size=16,
+                                 kv_cache_memory=1 << 22, max_num_batched_tokens=32))
+    assert engine.runner.use_triton and engine.runner.forward.layers[0].down.parts[0].kernel is None
+    for i, (prompt, max_new) in enumerate(workload):
+        engine.add(i, prompt, SamplingParams(max_new_tokens=max_new, ignore_eos=True))
+    outputs = {}
+    while engine.has_unfinished():
+        outputs.update((o.request_id, o.output_token_ids) for o in engine.step())
+    assert [outputs[i] for i in range(len(workload))] == expected

@@ -56,7 +56,8 @@ class ModelRunner:
                 torch.set_num_threads(config.num_threads)
             keep_freed_memory()
         if gguf is not None and quantization == "gguf":  # the linear layers in the file's own blocks
-            in_c = self.device.type == "cpu" and parse_kernels(config.kernels).get("linear") != "torch"
+            in_c = self.device.type == "cpu" and not _use_triton(self.device, config.attention_backend) \
+                and parse_kernels(config.kernels).get("linear") != "torch"  # as the int8 layers choose
             blocks_kernel = load_cpu_kernels() if in_c else None
             self.model = _checked(load_gguf(gguf.gguf, Path(model), self.dtype, blocks_kernel)).to(self.device)
         else:
