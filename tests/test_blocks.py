@@ -22,6 +22,7 @@ from bulkgen.engine.engine import Engine
 from bulkgen.errors import ConfigError
 from bulkgen.resolve import resolve_model
 from tests.builds import BUILDS, builds, kernel
+from tests.test_quant import engine_greedy, hf_greedy
 from tests.tiny_gguf import _random_k_blocks, make_tiny_gguf
 
 KINDS = ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"]
@@ -129,14 +130,7 @@ def _hf_reference_greedy(gguf: Path, workload: list[tuple[list[int], int]],
         for name, child in list(parent.named_children()):
             if type(child) is torch.nn.Linear:
                 setattr(parent, name, _ReferenceLinear(child, name not in float_layers))
-    out = []
-    with torch.inference_mode():
-        for prompt, max_new in workload:
-            ids = torch.tensor([prompt])
-            generated = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
-                                       min_new_tokens=max_new, do_sample=False)
-            out.append(generated[0, len(prompt):].tolist())
-    return out
+    return hf_greedy(model, workload)
 
 
 # Every kept type in one model, as a Q4_K_M file mixes them; qwen2 adds biases on q, k, v and a float matrix
@@ -175,12 +169,7 @@ def test_gguf_greedy_equals_hf_generate_with_reference_layers(tiny_gguf: Path) -
         if lean:
             parts = engine.runner.forward.layers[0].qkv.parts
             assert all((part.kernel is not None) == (kernels == "c") for part in parts)
-        for i, (prompt, max_new) in enumerate(workload):
-            engine.add(i, prompt, SamplingParams(max_new_tokens=max_new, ignore_eos=True))
-        outputs = {}
-        while engine.has_unfinished():
-            outputs.update((o.request_id, o.output_token_ids) for o in engine.step())
-        assert [outputs[i] for i in range(len(workload))] == expected, (kernels, lean)
+        assert engine_greedy(engine, workload) == expected, (kernels, lean)
 
 
 def test_gguf_needs_a_gguf_model(tiny_model_dir: Path) -> None:
@@ -242,9 +231,4 @@ def test_gguf_on_the_triton_path_equals_hf_generate_with_reference_layers(tiny_g
                     EngineConfig(quantization="gguf", attention_backend="triton", block_size=16,
                                  kv_cache_memory=1 << 22, max_num_batched_tokens=32))
     assert engine.runner.use_triton and engine.runner.forward.layers[0].down.parts[0].kernel is None
-    for i, (prompt, max_new) in enumerate(workload):
-        engine.add(i, prompt, SamplingParams(max_new_tokens=max_new, ignore_eos=True))
-    outputs = {}
-    while engine.has_unfinished():
-        outputs.update((o.request_id, o.output_token_ids) for o in engine.step())
-    assert [outputs[i] for i in range(len(workload))] == expected
+    assert engine_greedy(engine, workload) == expected

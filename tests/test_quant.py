@@ -105,6 +105,11 @@ def _hf_w8a8_greedy(model_dir: Path, workload: list[tuple[list[int], int]]) -> l
         for name, child in list(parent.named_children()):
             if type(child) is torch.nn.Linear and child is not head:
                 setattr(parent, name, _ReferenceLinear(child))
+    return hf_greedy(model, workload)
+
+
+def hf_greedy(model: torch.nn.Module, workload: list[tuple[list[int], int]]) -> list[list[int]]:
+    """Each (prompt, n) of the workload through HF generate(): n tokens, greedy, EOS not stopping it."""
     out = []
     with torch.inference_mode():
         for prompt, max_new in workload:
@@ -113,6 +118,16 @@ def _hf_w8a8_greedy(model_dir: Path, workload: list[tuple[list[int], int]]) -> l
                                        min_new_tokens=max_new, do_sample=False)
             out.append(generated[0, len(prompt):].tolist())
     return out
+
+
+def engine_greedy(engine: Engine, workload: list[tuple[list[int], int]]) -> list[list[int]]:
+    """The same workload through the engine, all at once."""
+    for i, (prompt, max_new) in enumerate(workload):
+        engine.add(i, prompt, SamplingParams(max_new_tokens=max_new, ignore_eos=True))
+    outputs = {}
+    while engine.has_unfinished():
+        outputs.update((o.request_id, o.output_token_ids) for o in engine.step())
+    return [outputs[i] for i in range(len(workload))]
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
@@ -132,12 +147,7 @@ def test_int8_greedy_equals_hf_generate_with_reference_layers(family: str, tiny_
         assert (engine.runner.forward is not None) == lean
         if lean:
             assert (engine.runner.forward.layers[0].down.kernel is not None) == (kernels == "c")
-        for i, (prompt, max_new) in enumerate(workload):
-            engine.add(i, prompt, SamplingParams(max_new_tokens=max_new, ignore_eos=True))
-        outputs = {}
-        while engine.has_unfinished():
-            outputs.update((o.request_id, o.output_token_ids) for o in engine.step())
-        assert [outputs[i] for i in range(len(workload))] == expected, (kernels, lean)
+        assert engine_greedy(engine, workload) == expected, (kernels, lean)
 
 
 def test_a_bad_quantization_is_one_line() -> None:
@@ -155,9 +165,4 @@ def test_int8_on_the_triton_path_equals_hf_generate_with_reference_layers(tiny_l
     engine = Engine(tiny_llama64_dir, EngineConfig(quantization="int8", attention_backend="triton", block_size=16,
                                                    kv_cache_memory=1 << 22, max_num_batched_tokens=32))
     assert engine.runner.use_triton and engine.runner.forward.layers[0].down.kernel is None
-    for i, (prompt, max_new) in enumerate(workload):
-        engine.add(i, prompt, SamplingParams(max_new_tokens=max_new, ignore_eos=True))
-    outputs = {}
-    while engine.has_unfinished():
-        outputs.update((o.request_id, o.output_token_ids) for o in engine.step())
-    assert [outputs[i] for i in range(len(workload))] == expected
+    assert engine_greedy(engine, workload) == expected

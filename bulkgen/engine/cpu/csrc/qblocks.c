@@ -243,21 +243,27 @@ static inline void unpack_group(int bits, const uint8_t *g, __m512i *w0, __m512i
     }
 }
 
+/* The tile, from the packed panel, or (uq given) from the panel unpack_panel unpacked: sv, mv its scales. */
 static inline __attribute__((always_inline)) void qtile_body(const qformat *f, int mr, const int8_t *x, const float *dx,
                                                              const int32_t *psum, int64_t K, const uint8_t *panel,
+                                                             const uint8_t *uq, const float *sv, const float *mv,
                                                              float *out) {
     int64_t nbw = K / f->wb;
     __m512 acc_f[QMR_MAX][2];
     for (int r = 0; r < QMR_MAX; r++)
         acc_f[r][0] = acc_f[r][1] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nbw; b++) {
-        const uint8_t *blk = panel + block_offset(f, b);
+        const uint8_t *blk = uq ? NULL : panel + block_offset(f, b);
         __m512i acc[QMR_MAX][2];
         for (int r = 0; r < QMR_MAX; r++)
             acc[r][0] = acc[r][1] = _mm512_setzero_si512();
         for (int g = 0; g < f->wb / 4; g++) {
             __m512i w0, w1;
-            unpack_group(f->bits, blk + g * group_bytes(f), &w0, &w1);
+            if (uq) {
+                w0 = _mm512_loadu_si512(uq + (b * (f->wb / 4) + g) * 128);
+                w1 = _mm512_loadu_si512(uq + (b * (f->wb / 4) + g) * 128 + 64);
+            } else
+                unpack_group(f->bits, blk + g * group_bytes(f), &w0, &w1);
             for (int r = 0; r < QMR_MAX; r++) {
                 if (r >= mr)
                     break;
@@ -268,10 +274,15 @@ static inline __attribute__((always_inline)) void qtile_body(const qformat *f, i
                 acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], w1, p);
             }
         }
-        const uint8_t *scales = blk + quant_bytes(f);
-        const float *head = (const float *)(panel + header_offset(f, b));
-        __m512 m0 = _mm512_setzero_ps(), m1 = m0;
-        __m512 s0 = load_scale_vec(f, scales, head, 0, &m0), s1 = load_scale_vec(f, scales, head, 1, &m1);
+        __m512 m0 = _mm512_setzero_ps(), m1 = m0, s0, s1;
+        if (uq) {
+            s0 = _mm512_loadu_ps(sv + b * QNR), s1 = _mm512_loadu_ps(sv + b * QNR + 16);
+            m0 = _mm512_loadu_ps(mv + b * QNR), m1 = _mm512_loadu_ps(mv + b * QNR + 16);
+        } else {
+            const float *head = (const float *)(panel + header_offset(f, b));
+            s0 = load_scale_vec(f, blk + quant_bytes(f), head, 0, &m0);
+            s1 = load_scale_vec(f, blk + quant_bytes(f), head, 1, &m1);
+        }
         for (int r = 0; r < QMR_MAX; r++) {
             if (r >= mr)
                 break;
@@ -317,61 +328,11 @@ static void unpack_panel(const qformat *f, const uint8_t *panel, int64_t K, uint
     }
 }
 
-static inline __attribute__((always_inline)) void qtile_unpacked_body(const qformat *f, int mr, const int8_t *x,
-                                                                      const float *dx, const int32_t *psum,
-                                                                      int64_t K, const uint8_t *uq, const float *sv,
-                                                                      const float *mv, float *out) {
-    int64_t nbw = K / f->wb;
-    __m512 acc_f[QMR_MAX][2];
-    for (int r = 0; r < QMR_MAX; r++)
-        acc_f[r][0] = acc_f[r][1] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nbw; b++) {
-        __m512i acc[QMR_MAX][2];
-        for (int r = 0; r < QMR_MAX; r++)
-            acc[r][0] = acc[r][1] = _mm512_setzero_si512();
-        for (int g = 0; g < f->wb / 4; g++) {
-            const uint8_t *wg = uq + (b * (f->wb / 4) + g) * 128;
-            __m512i w0 = _mm512_loadu_si512(wg), w1 = _mm512_loadu_si512(wg + 64);
-            for (int r = 0; r < QMR_MAX; r++) {
-                if (r >= mr)
-                    break;
-                int32_t four;
-                memcpy(&four, x + r * K + b * f->wb + g * 4, 4);
-                __m512i p = _mm512_set1_epi32(four);
-                acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], w0, p);
-                acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], w1, p);
-            }
-        }
-        __m512 s0 = _mm512_loadu_ps(sv + b * QNR), s1 = _mm512_loadu_ps(sv + b * QNR + 16);
-        __m512 m0 = _mm512_loadu_ps(mv + b * QNR), m1 = _mm512_loadu_ps(mv + b * QNR + 16);
-        for (int r = 0; r < QMR_MAX; r++) {
-            if (r >= mr)
-                break;
-            __m512 d = _mm512_set1_ps(dx[r * nbw + b]);
-            int32_t ps = psum[r * nbw + b];
-            if (!f->asym) {
-                acc[r][0] = _mm512_sub_epi32(acc[r][0], _mm512_set1_epi32(f->zero * ps));
-                acc[r][1] = _mm512_sub_epi32(acc[r][1], _mm512_set1_epi32(f->zero * ps));
-            }
-            acc_f[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][0]), _mm512_mul_ps(s0, d), acc_f[r][0]);
-            acc_f[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][1]), _mm512_mul_ps(s1, d), acc_f[r][1]);
-            if (f->asym) {
-                __m512 dp = _mm512_set1_ps(dx[r * nbw + b] * (float)ps);
-                acc_f[r][0] = _mm512_fmadd_ps(m0, dp, acc_f[r][0]);
-                acc_f[r][1] = _mm512_fmadd_ps(m1, dp, acc_f[r][1]);
-            }
-        }
-    }
-    for (int r = 0; r < mr; r++) {
-        _mm512_storeu_ps(out + r * QNR, acc_f[r][0]);
-        _mm512_storeu_ps(out + r * QNR + 16, acc_f[r][1]);
-    }
-}
-
 /* One function per format and row count, the format's constants folded in. */
 #define QBT(F, MR) \
     static void qbt_##F##_##MR(const int8_t *x, const float *dx, const int32_t *psum, int64_t K, \
-                               const uint8_t *panel, float *out) { qtile_body(&FORMATS[F], MR, x, dx, psum, K, panel, out); }
+                               const uint8_t *panel, float *out) { \
+        qtile_body(&FORMATS[F], MR, x, dx, psum, K, panel, NULL, NULL, NULL, out); }
 #define QBT_ROWS(F) QBT(F, 1) QBT(F, 2) QBT(F, 3) QBT(F, 4) QBT(F, 5) QBT(F, 6)
 QBT_ROWS(0) QBT_ROWS(1) QBT_ROWS(2) QBT_ROWS(3) QBT_ROWS(4)
 typedef void (*qbt_fn)(const int8_t *, const float *, const int32_t *, int64_t, const uint8_t *, float *);
@@ -386,7 +347,7 @@ static void qbtile(int fmt, int64_t mr, const int8_t *x, const float *dx, const 
 #define QBU(F, MR) \
     static void qbu_##F##_##MR(const int8_t *x, const float *dx, const int32_t *psum, int64_t K, const uint8_t *uq, \
                                const float *sv, const float *mv, float *out) { \
-        qtile_unpacked_body(&FORMATS[F], MR, x, dx, psum, K, uq, sv, mv, out); }
+        qtile_body(&FORMATS[F], MR, x, dx, psum, K, NULL, uq, sv, mv, out); }
 #define QBU_ROWS(F) QBU(F, 1) QBU(F, 2) QBU(F, 3) QBU(F, 4) QBU(F, 5) QBU(F, 6)
 QBU_ROWS(0) QBU_ROWS(1) QBU_ROWS(2) QBU_ROWS(3) QBU_ROWS(4)
 typedef void (*qbu_fn)(const int8_t *, const float *, const int32_t *, int64_t, const uint8_t *, const float *,
