@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bulkgen.engine import attention
 from bulkgen.engine.blocks import BLOCK_VALUES, FORMATS, Blocks, GGUFLinear, decode
 from bulkgen.engine.cpu.kernels import Kernels
 from bulkgen.errors import ModelError
@@ -32,8 +33,6 @@ def load_gguf(gguf: Path, config_dir: Path, dtype: torch.dtype, kernel: Kernels 
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.initialization import no_init_weights
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, LlamaTensorProcessor, TensorProcessor
-
-    from bulkgen.engine import attention
 
     try:
         reader = GGUFReader(gguf)
