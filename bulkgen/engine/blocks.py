@@ -24,7 +24,6 @@ from bulkgen.engine.quant import quantized_activations
 FORMATS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 3, "Q6_K": 4}  # qblocks.c's FORMATS
 BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q6_K": 210}  # the file's, a block
 BLOCK_VALUES = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q4_K": 256, "Q6_K": 256}
-SCALE_BLOCK = {"Q6_K": 16}  # weights under one scale (32 for the others)
 ZERO = {"Q8_0": 128, "Q4_0": 8, "Q6_K": 32}  # w = s (u - zero); Q4_1 and Q4_K keep a minimum m instead
 
 
