@@ -16,7 +16,7 @@ from bulkgen.engine.cpu.kernels import Kernels, load_cpu_kernels
 from bulkgen.engine.engine import Engine
 from bulkgen.engine.quant import Int8Linear
 from bulkgen.errors import ConfigError
-from tests.builds import HAS_AVX512F
+from tests.builds import HAS_AVX512F, HAS_AVX_VNNI
 
 
 def _quantize(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -42,7 +42,10 @@ def _reference_w8a8(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None
 
 KERNELS = {"c": "", "torch": None}
 if HAS_AVX512F:
-    KERNELS["c-avx2-build"] = "-mno-avx512f"  # the kernel's plain-C version (no AVX512-VNNI in that build)
+    KERNELS["c-avx2-build"] = "-mno-avx512f -mno-avxvnni"  # vpmaddubsw (AMD Zen 3's), as tests/builds.py's
+    if HAS_AVX_VNNI:
+        KERNELS["c-avx-vnni-build"] = "-mno-avx512f"  # 256-bit vpdpbusd
+KERNELS["c-baseline-build"] = "-march=x86-64"  # the plain-C version
 
 
 def _kernel(name: str) -> Kernels | None:

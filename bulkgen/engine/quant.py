@@ -5,7 +5,7 @@ Weights are quantized once at load to int8 per output channel (symmetric: w ≈ 
 Q8_0: per token instead, SmolLM2's outlier channels cost 4 % of perplexity, per block 0.6 %); each block's
 dot product runs in integers (exact), y[m, n] = scale[n] sum_b d[m, b] sum_{k in b} p[m, k] q[n, k] (+ bias),
 and a request's outputs never depend on what it shares a step with. The product is our C kernel
-(cpu/csrc/qgemm.c: AVX512-VNNI where the CPU has it, else the same math in plain C); without the C kernels,
+(cpu/csrc/qgemm.c: AVX512-VNNI, AVX-VNNI or AVX2, whichever the CPU has, else plain C); without the C kernels,
 the same quantization with the products in float (torch). Embeddings, norms and the LM head stay in the
 model's float dtype (the head's error would reach every logit).
 

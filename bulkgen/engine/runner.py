@@ -81,8 +81,8 @@ class ModelRunner:
         # the linear layers to torch
         int8_kernel = None if parse_kernels(config.kernels).get("linear") == "torch" else self.kernel
         if int8 and self.device.type == "cpu" and not (int8_kernel and int8_kernel.qlinear_available()):
-            log.warning("bulkgen: --quantization int8 without AVX512-VNNI runs its products in plain C or torch: "
-                        "correct, but slower than --quantization none on this CPU (fast kernels for it: to come)")
+            log.warning("bulkgen: --quantization int8 without AVX2 runs its products in plain C or torch: "
+                        "correct, but slower than --quantization none on this CPU")
         self.forward = llama.make_forward(self.model, self.ops, config.pack_weights, self.paths.c("linear"),
                                           self.paths.c("gated_mlp"), int8, int8_kernel) if lean else None
         if self.forward is None and int8:

@@ -31,7 +31,7 @@ from bulkgen.engine.cpu.machine import cpu_flags_line
 log = logging.getLogger(__name__)
 
 SOURCES = ("paged_attention.c", "ops.c", "gemm.c", "amx.c", "qgemm.c", "qblocks.c", "sampling.c")
-HEADERS = ("vec.h",)
+HEADERS = ("vec.h", "idot.h")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 NO_KERNEL_ENV = "BULKGEN_NO_KERNEL"
 # More compiler flags for the engine's build, e.g. "-mno-avx512f" to run the AVX2 kernels on an AVX-512 CPU

@@ -9,8 +9,9 @@
  *     y[m, n] = sum_b dx[m, b] * (s[n, b] * sum_{k in b} u[n, k] p[m, k] + m[n, b] * sum_{k in b} p[m, k])
  * with each block's two sums in integers (exact) and the blocks summed in float32 in order of b. Where m is
  * -zero * s (Q8_0, Q4_0, Q6_K) the zero comes out in integers, f = fma((float)(dot - zero * psum), s * dx, f);
- * else (Q4_1, Q4_K: a real minimum) f = fma((float)dot, s * dx, f); f = fma(m, dx * (float)psum, f). Both
- * versions below do exactly this, so the AVX512-VNNI one and the plain C one agree bit for bit.
+ * else (Q4_1, Q4_K: a real minimum) f = fma((float)dot, s * dx, f); f = fma(m, dx * (float)psum, f). Every
+ * version below (AVX512-VNNI; AVX-VNNI or AVX2 on 256 bits, idot.h; plain C) does exactly this: they agree bit
+ * for bit.
  *
  * Layout (packed once at load): panels of QNR = 32 outputs; a panel holds its blocks in order of b, each block
  * its quants (WB / 4 groups of 4 k x 32 outputs) then its scales; K-quants put their superblock's fp32 d (and
@@ -328,32 +329,110 @@ static void unpack_panel(const qformat *f, const uint8_t *panel, int64_t K, uint
     }
 }
 
-/* One function per format and row count, the format's constants folded in. */
-#define QBT(F, MR) \
-    static void qbt_##F##_##MR(const int8_t *x, const float *dx, const int32_t *psum, int64_t K, \
-                               const uint8_t *panel, float *out) { \
-        qtile_body(&FORMATS[F], MR, x, dx, psum, K, panel, NULL, NULL, NULL, out); }
-#define QBT_ROWS(F) QBT(F, 1) QBT(F, 2) QBT(F, 3) QBT(F, 4) QBT(F, 5) QBT(F, 6)
-QBT_ROWS(0) QBT_ROWS(1) QBT_ROWS(2) QBT_ROWS(3) QBT_ROWS(4)
-typedef void (*qbt_fn)(const int8_t *, const float *, const int32_t *, int64_t, const uint8_t *, float *);
-#define QBT_TABLE(F) {0, qbt_##F##_1, qbt_##F##_2, qbt_##F##_3, qbt_##F##_4, qbt_##F##_5, qbt_##F##_6}
-static const qbt_fn QBTILES[][QMR_MAX + 1] = {QBT_TABLE(0), QBT_TABLE(1), QBT_TABLE(2), QBT_TABLE(3), QBT_TABLE(4)};
+#define QB_UNPACK 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+/* 256 bits (idot.h): the panel's 32 outputs as four quarters of 8, one int32 accumulator a row per quarter (16
+ * registers: 6 rows fit), the float32 ones in memory. Quarter q of a group is bytes 32 q to 32 q + 31 of an
+ * 8-bit group; of a 4-bit one, the low (q < 2) or high nibbles of bytes 32 (q % 2) on; a 6-bit one adds bits
+ * 2 q and 2 q + 1 of its 32 high-bit bytes. */
+#include "idot.h"
+#define QMR_MAX 6
 
-static void qbtile(int fmt, int64_t mr, const int8_t *x, const float *dx, const int32_t *psum, int64_t K,
-                   const uint8_t *panel, float *out) {
-    QBTILES[fmt][mr](x, dx, psum, K, panel, out);
+int qblocks_vnni(void) { return 0; }
+
+static inline __m256i unpack_quarter(int bits, const uint8_t *g, int q) {
+    if (bits == 8)
+        return _mm256_loadu_si256((const __m256i *)(g + 32 * q));
+    __m256i v = _mm256_loadu_si256((const __m256i *)(g + 32 * (q & 1)));
+    __m256i w = _mm256_and_si256(q >= 2 ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(0x0f));
+    if (bits == 6) {
+        __m256i h = _mm256_srl_epi16(_mm256_loadu_si256((const __m256i *)(g + 64)), _mm_cvtsi32_si128(2 * q));
+        w = _mm256_or_si256(w, _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi8(3)), 4));
+    }
+    return w;
 }
 
-#define QBU(F, MR) \
-    static void qbu_##F##_##MR(const int8_t *x, const float *dx, const int32_t *psum, int64_t K, const uint8_t *uq, \
-                               const float *sv, const float *mv, float *out) { \
-        qtile_body(&FORMATS[F], MR, x, dx, psum, K, NULL, uq, sv, mv, out); }
-#define QBU_ROWS(F) QBU(F, 1) QBU(F, 2) QBU(F, 3) QBU(F, 4) QBU(F, 5) QBU(F, 6)
-QBU_ROWS(0) QBU_ROWS(1) QBU_ROWS(2) QBU_ROWS(3) QBU_ROWS(4)
-typedef void (*qbu_fn)(const int8_t *, const float *, const int32_t *, int64_t, const uint8_t *, const float *,
-                       const float *, float *);
-#define QBU_TABLE(F) {0, qbu_##F##_1, qbu_##F##_2, qbu_##F##_3, qbu_##F##_4, qbu_##F##_5, qbu_##F##_6}
-static const qbu_fn QBUTILES[][QMR_MAX + 1] = {QBU_TABLE(0), QBU_TABLE(1), QBU_TABLE(2), QBU_TABLE(3), QBU_TABLE(4)};
+/* Quarter q's scales s (returned) and m, as load_scale_vec's. */
+static inline __m256 quarter_scales(const qformat *f, const uint8_t *scales, const float *head, int q, __m256 *m) {
+    if (f->super) {
+        __m128i raw = _mm_loadl_epi64((const __m128i *)(scales + 8 * q));
+        __m256 sc = _mm256_cvtepi32_ps(f->sc_signed ? _mm256_cvtepi8_epi32(raw) : _mm256_cvtepu8_epi32(raw));
+        if (f->asym) {
+            __m128i rawm = _mm_loadl_epi64((const __m128i *)(scales + QNR + 8 * q));
+            __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(rawm));
+            *m = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(_mm256_loadu_ps(head + QNR + 8 * q), mn));
+        }
+        return _mm256_mul_ps(_mm256_loadu_ps(head + 8 * q), sc);
+    }
+    if (f->asym)
+        *m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + 2 * QNR + 16 * q)));
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + 16 * q)));
+}
+
+static inline __attribute__((always_inline)) void qtile_body(const qformat *f, int mr, const int8_t *x, const float *dx,
+                                                             const int32_t *psum, int64_t K, const uint8_t *panel,
+                                                             const uint8_t *uq, const float *sv, const float *mv,
+                                                             float *out) {
+    int64_t nbw = K / f->wb;
+    /* 8-bit weights (never unpacked) through idot_u8; its sum is of u - 128 where IDOT_U8_OFFSET is 0 */
+    int zero = f->bits == 8 && !IDOT_U8_OFFSET ? 0 : f->zero;
+    __m256 acc_f[QMR_MAX][4];
+    for (int r = 0; r < QMR_MAX; r++)
+        for (int q = 0; q < 4; q++)
+            acc_f[r][q] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nbw; b++) {
+        const uint8_t *blk = uq ? NULL : panel + block_offset(f, b);
+        const float *head = uq ? NULL : (const float *)(panel + header_offset(f, b));
+        for (int q = 0; q < 4; q++) {
+            __m256i acc[QMR_MAX];
+            for (int r = 0; r < QMR_MAX; r++)
+                acc[r] = _mm256_setzero_si256();
+            for (int g = 0; g < f->wb / 4; g++) {
+                __m256i w = uq ? _mm256_loadu_si256((const __m256i *)(uq + (b * (f->wb / 4) + g) * 128 + 32 * q))
+                               : unpack_quarter(f->bits, blk + g * group_bytes(f), q);
+                for (int r = 0; r < mr; r++) {
+                    int32_t four;
+                    memcpy(&four, x + r * K + b * f->wb + g * 4, 4);
+                    __m256i p = _mm256_set1_epi32(four);
+                    acc[r] = f->bits == 8 ? idot_u8(acc[r], w, p) : idot_small(acc[r], w, p);
+                }
+            }
+            __m256 s, m = _mm256_setzero_ps();
+            if (uq) {
+                s = _mm256_loadu_ps(sv + b * QNR + 8 * q);
+                m = _mm256_loadu_ps(mv + b * QNR + 8 * q);
+            } else
+                s = quarter_scales(f, blk + quant_bytes(f), head, q, &m);
+            for (int r = 0; r < mr; r++) {
+                __m256 d = _mm256_set1_ps(dx[r * nbw + b]);
+                int32_t ps = psum[r * nbw + b];
+                if (!f->asym)
+                    acc[r] = _mm256_sub_epi32(acc[r], _mm256_set1_epi32(zero * ps));
+                acc_f[r][q] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]), _mm256_mul_ps(s, d), acc_f[r][q]);
+                if (f->asym)
+                    acc_f[r][q] = _mm256_fmadd_ps(m, _mm256_set1_ps(dx[r * nbw + b] * (float)ps), acc_f[r][q]);
+            }
+        }
+    }
+    for (int r = 0; r < mr; r++)
+        for (int q = 0; q < 4; q++)
+            _mm256_storeu_ps(out + r * QNR + 8 * q, acc_f[r][q]);
+}
+
+static void unpack_panel(const qformat *f, const uint8_t *panel, int64_t K, uint8_t *uq, float *s, float *m) {
+    for (int64_t b = 0; b < K / f->wb; b++) {
+        const uint8_t *blk = panel + block_offset(f, b);
+        const float *head = (const float *)(panel + header_offset(f, b));
+        for (int q = 0; q < 4; q++) {
+            for (int g = 0; g < f->wb / 4; g++)
+                _mm256_storeu_si256((__m256i *)(uq + (b * (f->wb / 4) + g) * 128 + 32 * q),
+                                    unpack_quarter(f->bits, blk + g * group_bytes(f), q));
+            __m256 mq = _mm256_setzero_ps();
+            _mm256_storeu_ps(s + b * QNR + 8 * q, quarter_scales(f, blk + quant_bytes(f), head, q, &mq));
+            _mm256_storeu_ps(m + b * QNR + 8 * q, mq);
+        }
+    }
+}
 #define QB_UNPACK 1
 #else
 #define QMR_MAX 6
@@ -405,6 +484,35 @@ static void qbtile(int fmt, int64_t mr, const int8_t *x, const float *dx, const 
     for (int64_t r = 0; r < mr; r++)
         memcpy(out + r * QNR, acc_f[r], sizeof acc_f[r]);
 }
+#endif
+
+#if QB_UNPACK
+/* One function per format and row count, the format's constants folded in. */
+#define QBT(F, MR) \
+    static void qbt_##F##_##MR(const int8_t *x, const float *dx, const int32_t *psum, int64_t K, \
+                               const uint8_t *panel, float *out) { \
+        qtile_body(&FORMATS[F], MR, x, dx, psum, K, panel, NULL, NULL, NULL, out); }
+#define QBT_ROWS(F) QBT(F, 1) QBT(F, 2) QBT(F, 3) QBT(F, 4) QBT(F, 5) QBT(F, 6)
+QBT_ROWS(0) QBT_ROWS(1) QBT_ROWS(2) QBT_ROWS(3) QBT_ROWS(4)
+typedef void (*qbt_fn)(const int8_t *, const float *, const int32_t *, int64_t, const uint8_t *, float *);
+#define QBT_TABLE(F) {0, qbt_##F##_1, qbt_##F##_2, qbt_##F##_3, qbt_##F##_4, qbt_##F##_5, qbt_##F##_6}
+static const qbt_fn QBTILES[][QMR_MAX + 1] = {QBT_TABLE(0), QBT_TABLE(1), QBT_TABLE(2), QBT_TABLE(3), QBT_TABLE(4)};
+
+static void qbtile(int fmt, int64_t mr, const int8_t *x, const float *dx, const int32_t *psum, int64_t K,
+                   const uint8_t *panel, float *out) {
+    QBTILES[fmt][mr](x, dx, psum, K, panel, out);
+}
+
+#define QBU(F, MR) \
+    static void qbu_##F##_##MR(const int8_t *x, const float *dx, const int32_t *psum, int64_t K, const uint8_t *uq, \
+                               const float *sv, const float *mv, float *out) { \
+        qtile_body(&FORMATS[F], MR, x, dx, psum, K, NULL, uq, sv, mv, out); }
+#define QBU_ROWS(F) QBU(F, 1) QBU(F, 2) QBU(F, 3) QBU(F, 4) QBU(F, 5) QBU(F, 6)
+QBU_ROWS(0) QBU_ROWS(1) QBU_ROWS(2) QBU_ROWS(3) QBU_ROWS(4)
+typedef void (*qbu_fn)(const int8_t *, const float *, const int32_t *, int64_t, const uint8_t *, const float *,
+                       const float *, float *);
+#define QBU_TABLE(F) {0, qbu_##F##_1, qbu_##F##_2, qbu_##F##_3, qbu_##F##_4, qbu_##F##_5, qbu_##F##_6}
+static const qbu_fn QBUTILES[][QMR_MAX + 1] = {QBU_TABLE(0), QBU_TABLE(1), QBU_TABLE(2), QBU_TABLE(3), QBU_TABLE(4)};
 #endif
 
 /* y [M, N] (dtype: 0 float32, 1 bfloat16; rows ldy apart, so a fused layer's parts write their own columns) =

@@ -8,7 +8,7 @@
  * AVX512-VNNI: vpdpbusd multiplies unsigned by signed bytes, four to an int32 lane, 64 multiply-adds an
  * instruction (twice vdpbf16ps's) on weights half the bytes of bfloat16. The weights are stored unsigned,
  * u = q + 128, so sum u p = sum q p + 128 sum p, and each block's sum of p takes the 128 back out, in integers.
- * Elsewhere the same math in plain C (the compiler vectorizes it).
+ * AVX2 (with or without AVX-VNNI): the same on 256 bits (idot.h). Elsewhere the same math in plain C.
  *
  * Layout: W [N, K] packed once into panels of QNR = 32 outputs, [ceil(N/32)][ceil(K/32) * 8][32][4] bytes (K
  * padded with q = 0, N with zero rows), so a panel streams in one sequential run. A tile of up to QMR_MAX rows
@@ -116,6 +116,55 @@ typedef void (*qtile_fn)(const int8_t *x, const float *d, const int32_t *offset,
         } \
     }
 QTILE(1) QTILE(2) QTILE(3) QTILE(4) QTILE(5) QTILE(6)
+static const qtile_fn QTILES[QMR_MAX + 1] = {0, qtile_1, qtile_2, qtile_3, qtile_4, qtile_5, qtile_6};
+
+static void qtile(int64_t mr, const int8_t *x, const float *d, const int32_t *offset, int64_t nb, const uint8_t *w,
+                  float *out) {
+    QTILES[mr](x, d, offset, nb, w, out);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+/* 256 bits (idot.h): the panel's 32 outputs as four quarters of 8 (bytes 32 q to 32 q + 31 of each group of 4 k),
+ * one int32 accumulator a row per quarter, the float32 ones in memory. */
+#include "idot.h"
+#define QMR_MAX 6
+
+int qlinear_available(void) { return 1; }
+
+static inline __attribute__((always_inline)) void qtile_body(int mr, const int8_t *x, const float *d,
+                                                             const int32_t *offset, int64_t nb, const uint8_t *w,
+                                                             float *out) {
+    __m256 f[QMR_MAX][4];
+    for (int r = 0; r < QMR_MAX; r++)
+        for (int q = 0; q < 4; q++)
+            f[r][q] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++)
+        for (int q = 0; q < 4; q++) {
+            __m256i acc[QMR_MAX];
+            for (int r = 0; r < QMR_MAX; r++)
+                acc[r] = _mm256_setzero_si256();
+            for (int g = 0; g < QB / 4; g++) {
+                __m256i wq = _mm256_loadu_si256((const __m256i *)(w + (b * (QB / 4) + g) * 128 + 32 * q));
+                for (int r = 0; r < mr; r++) {
+                    int32_t four;
+                    memcpy(&four, x + (r * nb + b) * QB + g * 4, 4);
+                    acc[r] = idot_u8(acc[r], wq, _mm256_set1_epi32(four));
+                }
+            }
+            for (int r = 0; r < mr; r++) {
+                __m256i a = IDOT_U8_OFFSET ? _mm256_sub_epi32(acc[r], _mm256_set1_epi32(offset[r * nb + b])) : acc[r];
+                f[r][q] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_set1_ps(d[r * nb + b]), f[r][q]);
+            }
+        }
+    for (int r = 0; r < mr; r++)
+        for (int q = 0; q < 4; q++)
+            _mm256_storeu_ps(out + r * QNR + 8 * q, f[r][q]);
+}
+
+#define QTILE(MR) \
+    static void qtile_##MR(const int8_t *x, const float *d, const int32_t *offset, int64_t nb, const uint8_t *w, \
+                           float *out) { qtile_body(MR, x, d, offset, nb, w, out); }
+QTILE(1) QTILE(2) QTILE(3) QTILE(4) QTILE(5) QTILE(6)
+typedef void (*qtile_fn)(const int8_t *, const float *, const int32_t *, int64_t, const uint8_t *, float *);
 static const qtile_fn QTILES[QMR_MAX + 1] = {0, qtile_1, qtile_2, qtile_3, qtile_4, qtile_5, qtile_6};
 
 static void qtile(int64_t mr, const int8_t *x, const float *d, const int32_t *offset, int64_t nb, const uint8_t *w,
