@@ -1,5 +1,6 @@
 """Sampling composes with everything else: every sampling option alone and combined, with and without JSON
-schemas, on the C, torch and Triton-interpreter paths, in memory and through the queue, killed and resumed.
+schemas, on the C, torch and Triton-interpreter paths, with --quantization int8 and gguf, in memory and through
+the queue, killed and resumed.
 
 What each cell asserts: no row fails unless its input is bad; every complete constrained output parses and
 validates (jsonschema); a sampled request gives the same tokens alone and in any batch (its seed decides).
@@ -19,6 +20,7 @@ from bulkgen.config import EngineConfig, SamplingParams
 from bulkgen.engine.engine import Engine
 from tests.helpers import invoke, invoke_json, write_parquet
 from tests.test_sampler import _run
+from tests.tiny_gguf import make_tiny_gguf
 from tests.zygote import run_bulkgen
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
@@ -41,7 +43,8 @@ OPTIONS = {
     "all": dict(temperature=0.9, top_k=50, top_p=0.9, min_p=0.02, repetition_penalty=1.1, frequency_penalty=0.2,
                 presence_penalty=0.1, stop=("zz",), logprobs=1),
 }
-PATHS = {"c": dict(kernels="c"), "torch": dict(kernels="torch", attention_backend="torch"),
+PATHS = {"c": dict(kernels="c"), "c-int8": dict(kernels="c", quantization="int8"),
+         "torch": dict(kernels="torch", attention_backend="torch"),
          "triton": dict(attention_backend="triton", block_size=16)}
 
 
@@ -92,8 +95,9 @@ def test_every_option_with_and_without_a_schema_alone_and_batched(engine: Engine
                            "top-k-plain", "min-p-plain", "logprobs-plain") if r in requests][:2 if triton else 8]
     differ = [r for r in checked if _run(engine, {r: requests[r]})[r].output_token_ids
               != batched[r].output_token_ids]
-    # The C kernels compute a row the same in any batch: identical. torch's GEMMs round by batch shape (a few
-    # ulps of the logits), which flips a draw only on a near-tie, as it flips a greedy near-tie: at most one.
+    # The C kernels compute a row the same in any batch (int8's too: activations quantized per row): identical.
+    # torch's GEMMs round by batch shape (a few ulps of the logits), which flips a draw only on a near-tie, as it
+    # flips a greedy near-tie: at most one.
     assert len(differ) <= (0 if engine.config.kernels == "c" else 1), differ
     constrained = [o for o in batched.values() if o.request_id.endswith("json") and o.finish_reason == "stop"
                    and not requests[o.request_id][1].stop]
@@ -131,6 +135,27 @@ def test_a_sampled_json_schema_job_completes_every_row_through_the_queue(tmp_pat
         assert len(complete) >= 3, [(r["finish_reason"], r["output"]) for r in rows]
         for r in complete:
             jsonschema.validate(json.loads(r["output"]), SCHEMA)
+
+
+@pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
+def test_a_gguf_file_runs_from_its_blocks_through_the_queue_sampled_and_constrained(tmp_path: Path,
+                                                                                    db_url: str) -> None:
+    """--quantization gguf through submit and run: a Q4_K / Q6_K file (byte-level tokenizer), per-row schemas
+    beside unconstrained rows, sampled; every row completes and every closed JSON validates."""
+    gguf = make_tiny_gguf(tmp_path / "tiny.gguf", None, width=256, ffn=512, kinds={"*": "Q4_K", "ffn_down": "Q6_K"})
+    prompts = ["Describe an animal.", "A cat?", "Give me a dog.", "Name a bird.", "Tell me about fish.", "A cow."]
+    data = write_parquet(tmp_path / "animals.parquet", {"prompt": prompts * 2, "schema": [SCHEMA_TEXT, None] * 6})
+    job = invoke_json("submit", data, "--model", gguf, "--json-schema-column", "schema", "--temperature", 0.7,
+                      "--max-new-tokens", 150)
+    run = invoke("run", "--quantization", "gguf", "--kv-cache-memory", "16MiB")  # its first line names the blocks
+    assert "GGUF blocks (Q4_K + Q6_K)" in run.output, run.output
+    invoke("export", job["job_id"], "-o", tmp_path / "out.parquet")
+    rows = pq.read_table(tmp_path / "out.parquet").to_pylist()
+    assert all(r["status"] == "completed" for r in rows), [(r["row"], r["error"]) for r in rows]
+    complete = [r for r in rows if r["row"] % 2 == 0 and r["finish_reason"] == "stop"]
+    assert complete, [(r["finish_reason"], r["output"]) for r in rows]
+    for r in complete:
+        jsonschema.validate(json.loads(r["output"]), SCHEMA)
 
 
 @pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
@@ -176,8 +201,10 @@ def test_in_memory_generate_samples_with_a_schema(tiny_model_dir: Path) -> None:
 
 
 @pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
+@pytest.mark.parametrize("quantization", ["none", "int8"])
 def test_a_sampled_constrained_job_killed_and_resumed_equals_an_uninterrupted_run(tmp_path: Path, make_db,
-                                                                                   tiny_model_dir: Path) -> None:
+                                                                                   tiny_model_dir: Path,
+                                                                                   quantization: str) -> None:
     from tests.test_worker_process import RUN_FLAGS, kill_before, start_worker
 
     NUM_ROWS = 120  # noqa: N806
@@ -196,7 +223,7 @@ def test_a_sampled_constrained_job_killed_and_resumed_equals_an_uninterrupted_ru
         invoke("export", job_id, "-o", path, "--db", db)
         return pq.read_table(path).to_pylist()
 
-    flags = ["--max-attempts", "10", "--max-num-seqs", "8"]
+    flags = ["--max-attempts", "10", "--max-num-seqs", "8", "--quantization", quantization]
     reference_db = make_db("reference")
     reference_job = make(reference_db, tmp_path / "ref")
     done = run_bulkgen(["run", "--db", reference_db, *RUN_FLAGS, *flags])
