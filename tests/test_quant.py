@@ -4,6 +4,7 @@ products bit-exact, the layers' outputs to float rounding, and greedy decoding e
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from pathlib import Path
 
@@ -99,7 +100,8 @@ class _ReferenceLinear(torch.nn.Module):
         return torch.tensor(y, dtype=x.dtype).reshape(*x.shape[:-1], -1)
 
 
-def _hf_w8a8_greedy(model_dir: Path, workload: list[tuple[list[int], int]]) -> list[list[int]]:
+def _hf_w8a8_model(model_dir: Path) -> torch.nn.Module:
+    """Hugging Face's model of these weights, every linear layer but the head the reference W8A8 one."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -108,7 +110,11 @@ def _hf_w8a8_greedy(model_dir: Path, workload: list[tuple[list[int], int]]) -> l
         for name, child in list(parent.named_children()):
             if type(child) is torch.nn.Linear and child is not head:
                 setattr(parent, name, _ReferenceLinear(child))
-    return hf_greedy(model, workload)
+    return model
+
+
+def _hf_w8a8_greedy(model_dir: Path, workload: list[tuple[list[int], int]]) -> list[list[int]]:
+    return hf_greedy(_hf_w8a8_model(model_dir), workload)
 
 
 def hf_greedy(model: torch.nn.Module, workload: list[tuple[list[int], int]]) -> list[list[int]]:
@@ -151,6 +157,36 @@ def test_int8_greedy_equals_hf_generate_with_reference_layers(family: str, tiny_
         if lean:
             assert (engine.runner.forward.layers[0].down.kernel is not None) == (kernels == "c")
         assert engine_greedy(engine, workload) == expected, (kernels, lean)
+
+
+def test_int8_sampled_draws_come_from_the_reference_models_distribution(tiny_model_dir: Path) -> None:
+    """Sampled (temperature, top-p, seeded) through the int8 C path: every drawn token's logprob equals the
+    reference W8A8 model's (Hugging Face's modules, numpy layers) at that position, and lies inside the support
+    transformers' warpers keep; the sampler's draws themselves are checked against the warpers in
+    test_sampler.py."""
+    from tests.test_sampler import _hf_probs
+
+    model = _hf_w8a8_model(tiny_model_dir)
+    engine = Engine(tiny_model_dir, EngineConfig(quantization="int8", kernels="c", kv_cache_memory=1 << 22))
+    rng = random.Random(4)
+    params = SamplingParams(max_new_tokens=8, temperature=0.9, top_p=0.9, logprobs=1, ignore_eos=True)
+    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(3, 40))] for _ in range(6)]
+    for i, prompt in enumerate(prompts):
+        engine.add(i, prompt, dataclasses.replace(params, seed=50 + i))
+    outputs = {}
+    while engine.has_unfinished():
+        outputs.update((o.request_id, o) for o in engine.step())
+    drawn = 0
+    for out in outputs.values():
+        ids = torch.tensor([prompts[out.request_id] + out.output_token_ids[:-1]])
+        with torch.inference_mode():
+            logits = model(ids).logits[0, -len(out.output_token_ids):].double()
+        for position, (token, entry) in enumerate(zip(out.output_token_ids, out.logprobs, strict=True)):
+            reference = torch.log_softmax(logits[position], -1)[token].item()
+            assert abs(entry["logprob"] - reference) < 1e-3, (out.request_id, position, entry, reference)
+            assert _hf_probs(logits[position].float(), params)[token] > 0
+            drawn += token != int(logits[position].argmax())
+    assert drawn > 0  # not greedy in disguise
 
 
 def test_a_bad_quantization_is_one_line() -> None:
