@@ -79,8 +79,6 @@ static void quantize_row(const void *x, int dtype, int64_t K, int8_t *q, float *
 
 int qlinear_available(void) { return 1; }
 
-typedef void (*qtile_fn)(const int8_t *x, const float *d, const int32_t *offset, int64_t nb, const uint8_t *w,
-                         float *out);
 
 #define QTILE(MR) \
     static void qtile_##MR(const int8_t *x, const float *d, const int32_t *offset, int64_t nb, const uint8_t *w, \
@@ -115,13 +113,6 @@ typedef void (*qtile_fn)(const int8_t *x, const float *d, const int32_t *offset,
             _mm512_storeu_ps(out + r * QNR + 16, f[r][1]); \
         } \
     }
-QTILE(1) QTILE(2) QTILE(3) QTILE(4) QTILE(5) QTILE(6)
-static const qtile_fn QTILES[QMR_MAX + 1] = {0, qtile_1, qtile_2, qtile_3, qtile_4, qtile_5, qtile_6};
-
-static void qtile(int64_t mr, const int8_t *x, const float *d, const int32_t *offset, int64_t nb, const uint8_t *w,
-                  float *out) {
-    QTILES[mr](x, d, offset, nb, w, out);
-}
 #elif defined(__AVX2__) && defined(__FMA__)
 /* 256 bits (idot.h): the panel's 32 outputs as four quarters of 8 (bytes 32 q to 32 q + 31 of each group of 4 k),
  * one int32 accumulator a row per quarter, the float32 ones in memory. */
@@ -163,14 +154,6 @@ static inline __attribute__((always_inline)) void qtile_body(int mr, const int8_
 #define QTILE(MR) \
     static void qtile_##MR(const int8_t *x, const float *d, const int32_t *offset, int64_t nb, const uint8_t *w, \
                            float *out) { qtile_body(MR, x, d, offset, nb, w, out); }
-QTILE(1) QTILE(2) QTILE(3) QTILE(4) QTILE(5) QTILE(6)
-typedef void (*qtile_fn)(const int8_t *, const float *, const int32_t *, int64_t, const uint8_t *, float *);
-static const qtile_fn QTILES[QMR_MAX + 1] = {0, qtile_1, qtile_2, qtile_3, qtile_4, qtile_5, qtile_6};
-
-static void qtile(int64_t mr, const int8_t *x, const float *d, const int32_t *offset, int64_t nb, const uint8_t *w,
-                  float *out) {
-    QTILES[mr](x, d, offset, nb, w, out);
-}
 #else
 #define QMR_MAX 6
 
@@ -191,6 +174,18 @@ static void qtile(int64_t mr, const int8_t *x, const float *d, const int32_t *of
         }
         memcpy(out + r * QNR, f, sizeof f);
     }
+}
+#endif
+
+#ifdef QTILE  /* one function per row count, either SIMD version's */
+QTILE(1) QTILE(2) QTILE(3) QTILE(4) QTILE(5) QTILE(6)
+typedef void (*qtile_fn)(const int8_t *x, const float *d, const int32_t *offset, int64_t nb, const uint8_t *w,
+                         float *out);
+static const qtile_fn QTILES[QMR_MAX + 1] = {0, qtile_1, qtile_2, qtile_3, qtile_4, qtile_5, qtile_6};
+
+static void qtile(int64_t mr, const int8_t *x, const float *d, const int32_t *offset, int64_t nb, const uint8_t *w,
+                  float *out) {
+    QTILES[mr](x, d, offset, nb, w, out);
 }
 #endif
 
