@@ -27,6 +27,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from bulkgen.config import EngineConfig, Paths, SamplingParams, request_sampling, request_seed
+from bulkgen.engine.protocol import FinishReason
 from bulkgen.errors import ConfigError
 from bulkgen.io.export import RESULT_SCHEMA, export_job
 from bulkgen.io.rows import check_columns
@@ -101,7 +102,7 @@ def run(job_ids: Sequence[int | Job] | None = None, db: str | None = None, progr
     """Run queued jobs (all, or these: ids or Jobs) until nothing of them is pending, as `bulkgen run`; returns
     its summary (as `bulkgen run --json`). The database: `db`, else the one the Jobs given live in, else the
     default (BULKGEN_DB or bulkgen's data folder). Options: the engine's (dtype, kv_cache_memory, max_num_seqs,
-    ...) and the worker's (lease_s, commit_rows, packing, ...)."""
+    ...) and the worker's (lease_seconds, commit_every, packing, ...): `bulkgen run`'s flags, with underscores."""
     ids, db = _jobs_and_db(job_ids, db)
     engine_keys = {f.name for f in fields(EngineConfig)}
     worker_keys = {f.name for f in fields(WorkerOptions)} - {"job_ids", "progress"}
@@ -231,7 +232,7 @@ class Generate:
         while self.engine.has_unfinished():
             for result in self.engine.step():
                 i = result.request_id
-                if result.finish_reason == "error":  # as export: the error, no output
+                if result.finish_reason == FinishReason.ERROR:  # as export: the error, no output
                     out["error"][i] = result.error or "generation failed"
                 else:
                     out["output"][i] = result.text

@@ -22,7 +22,7 @@ QUANTIZATIONS = ("auto", "none", "int8", "gguf")  # --quantization (engine/quant
 DTYPE_CHOICES = ("auto", *DTYPES)  # auto: float32 where the weights fit, else bfloat16 (engine/memory.py)
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "kernel", "torch", "triton")
-# CPU kernel families, each run in bulkgen's C kernels or in plain torch (engine/cpu/paths.py decides).
+# CPU kernel families, each run in bulkgen's C kernels or in plain torch (engine/paths.py decides).
 KERNEL_FAMILIES = ("linear", "gated_mlp", "decode_attention", "prefill_attention", "small_ops", "sampler")
 KERNEL_FAMILY_GROUPS = {"attention": ("decode_attention", "prefill_attention"), "all": KERNEL_FAMILIES}
 KERNEL_PATHS = ("c", "torch")

@@ -86,7 +86,7 @@ def sliding_window(config: Any) -> int | None:
     """The window over which some of the model's layers attend (None: every layer attends to the whole
     context), read as transformers reads it: from `layer_types` where the config has them, else from
     `sliding_window` unless `use_sliding_window` is off. Every attention path computes it per layer
-    (engine/attention.LayerAttention)."""
+    (engine/metadata.LayerAttention)."""
     config = text_config(config)
     window = getattr(config, "sliding_window", None)
     if not isinstance(window, int) or isinstance(window, bool) or window <= 0:

@@ -64,7 +64,7 @@ def order(items: Seq[Any], packing: str = DEFAULT_PACKING,
 
 def check_packing(packing: str) -> None:
     if packing not in SORT_KEYS:
-        raise ConfigError(f"packing policy must be one of {', '.join(PACKINGS)}, got {packing!r}")
+        raise ConfigError(f"--packing must be one of {', '.join(PACKINGS)}, got {packing!r}")
 
 
 def admission_for(packing: str, kv_admission: bool = True) -> Callable[[int, int], KVAdmission] | None:

@@ -118,7 +118,7 @@ class Progress:
         if rate <= 0 or self.done >= self.total:
             return None
         in_flight = self.num_output_tokens - self.finished_tokens
-        return max(0.0, self.budget_left - in_flight) / rate
+        return eta_s(self.budget_left - in_flight, rate)
 
     @property
     def is_upper_bound(self) -> bool:
@@ -166,3 +166,9 @@ def format_duration(seconds: float) -> str:
     if seconds < 3600:
         return f"{seconds // 60}m{seconds % 60:02d}s"
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def eta_s(left: float, per_second: float | None) -> float | None:
+    """Seconds to finish what is left (requests, or tokens) at a pace per second: the one rule of every ETA (the
+    progress line, `status`, `status --watch`); None without a pace."""
+    return max(0.0, left) / per_second if per_second and per_second > 0 else None

@@ -31,6 +31,7 @@ from bulkgen.progress import Progress
 from bulkgen.store import jobs as job_ops
 from bulkgen.store import queue as q
 from bulkgen.store.db import Store
+from bulkgen.summary import RaySummary
 from bulkgen.worker import Worker, WorkerOptions
 
 __all__ = ["OUTPUT_COLUMNS", "Generate", "RayOptions", "generate", "run_on_ray"]
@@ -152,35 +153,6 @@ class QueueWorker:
         return self.worker.num_generated if self.worker is not None else 0
 
 
-@dataclass
-class RaySummary:
-    workers: int
-    nodes: int
-    per_worker: list[dict[str, Any]]
-    seconds: float
-    errors: list[str]
-    stopped_by: str | None
-    db_outages: int = 0  # times the driver found the database unavailable, and for how long in all
-    db_outage_s: float = 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        total = {key: sum(w[key] for w in self.per_worker)
-                 for key in ("completed", "failed", "released", "num_prompt_tokens", "num_output_tokens")}
-        return {"workers": self.workers, "nodes": self.nodes, **total, "seconds": round(self.seconds, 2),
-                "output_tok_per_s": round(total["num_output_tokens"] / self.seconds, 2) if self.seconds else None,
-                "stopped_by": self.stopped_by, "errors": self.errors, "db_outages": self.db_outages,
-                "db_outage_s": round(self.db_outage_s, 1), "per_worker": self.per_worker}
-
-    def line(self) -> str:
-        d = self.to_dict()
-        stop = f" · stopped by {self.stopped_by}, {d['released']} requests released" if self.stopped_by else ""
-        if self.db_outages:
-            stop += f" · database unavailable {self.db_outages} time(s), {self.db_outage_s:.0f}s in all (waited out)"
-        return (f"bulkgen run --ray: {self.workers} workers on {self.nodes} node(s) · {d['completed']} completed · "
-                f"{d['failed']} failed · {d['num_output_tokens']:,} output tokens in {self.seconds:.1f}s · "
-                f"{d['output_tok_per_s'] or 0:.1f} output tok/s{stop}")
-
-
 def run_on_ray(store: Store, db_url: str, engine_config: EngineConfig, options: WorkerOptions,
                ray_options: RayOptions, progress: bool = True) -> RaySummary:
     """Start the actors, follow the queue until every actor's run ends (or a signal drains them)."""
@@ -198,7 +170,7 @@ def run_on_ray(store: Store, db_url: str, engine_config: EngineConfig, options: 
     actors = [actor_class.options(**actor_options).remote(db_url, engine_config, worker_options)
               for _ in range(placement.workers)]
     runs = {actor.run.remote(): actor for actor in actors}
-    follower = _Follower(store, list(options.job_ids), progress, options.log_every_s)
+    follower = _Follower(store, list(options.job_ids), progress, options.log_every)
     follower.begin(f"bulkgen run --ray: {placement.workers} workers ({placement.gpus_per_worker:g} GPU, "
                    f"{placement.cpus_per_worker:g} CPU each) on {placement.num_nodes} node(s), queue {store.url}")
     stop = _DriverSignals(actors)

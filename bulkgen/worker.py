@@ -28,11 +28,11 @@ import socket
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from bulkgen.config import EngineConfig, SamplingParams, request_sampling
-from bulkgen.engine.protocol import EngineProtocol
+from bulkgen.engine.protocol import EngineProtocol, FinishReason
 from bulkgen.errors import ConfigError, PromptTooLongError, StoreError
 from bulkgen.lease import Heartbeat, on_stop_signals
 from bulkgen.liveness import Liveness, StalledError
@@ -46,6 +46,7 @@ from bulkgen.store import runs
 from bulkgen.store.db import Store
 from bulkgen.store.models import Job, unpack_ids
 from bulkgen.store.packings import DEFAULT_PACKING
+from bulkgen.summary import RunSummary
 from bulkgen.writer import Flushed, ResultWriter
 
 log = logging.getLogger(__name__)
@@ -56,63 +57,31 @@ SIZING_INTERVAL_S = 1.0  # how often the claim target is recomputed from the que
 @dataclass(frozen=True)
 class WorkerOptions:
     job_ids: tuple[int, ...] = ()  # empty: every runnable job
-    lease_s: float = 60.0
-    commit_rows: int = 256
-    commit_interval_s: float = 2.0
+    lease_seconds: float = 60.0
+    commit_every: int = 256
+    commit_interval: float = 2.0
     max_attempts: int = 3
-    drain_timeout_s: float = 30.0  # on SIGINT/SIGTERM: how long running sequences may finish
+    drain_timeout: float = 30.0  # on SIGINT/SIGTERM: how long running sequences may finish
     packing: str = DEFAULT_PACKING  # claim and admission order (bulkgen.packing)
     kv_admission: bool = True  # admit only what the KV cache can hold to the end (no preemption)
     wait: bool = False  # when the queue is empty, wait for new work instead of exiting
     poll_s: float = 2.0
     progress: bool = True
-    log_every_s: float = 30.0
+    log_every: float = 30.0
     db_outage_s: float = 900.0  # how long the database may be away before the run stops (transient errors only)
     max_kept_rows: int = 4096  # rows kept while the database is away; past them the engine pauses
-    sample_interval_s: float = SAMPLE_INTERVAL_S  # how often the run's samples are closed (recorder.py)
+    sample_every: float = SAMPLE_INTERVAL_S  # how often the run's samples are closed (recorder.py)
     stall_s: float = 600.0  # holding work without progress this long: stalled, the run stops (liveness.py)
 
     def __post_init__(self) -> None:
-        if self.lease_s <= 0 or self.commit_rows < 1 or self.commit_interval_s <= 0 or self.max_attempts < 1 \
-                or self.sample_interval_s <= 0 or self.stall_s <= 0:
+        if self.lease_seconds <= 0 or self.commit_every < 1 or self.commit_interval <= 0 or self.max_attempts < 1 \
+                or self.sample_every <= 0 or self.stall_s <= 0:
             raise ConfigError("lease, commit, sample and stall intervals and commit rows must be positive, "
                               "max attempts >= 1")
         if self.db_outage_s < 0:
             raise ConfigError(f"--db-outage-s must be >= 0 (0: stop at the first database error), got "
                               f"{self.db_outage_s:g}")
         check_packing(self.packing)
-
-
-@dataclass
-class RunSummary:
-    worker_id: str
-    num_completed: int = 0
-    num_failed: int = 0
-    num_released: int = 0
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    num_preemptions: int = 0
-    seconds: float = 0.0
-    stopped_by: str | None = None  # the signal's name, when one stopped the run
-    job_ids: set[int] = field(default_factory=set)
-    db_outages: int = 0  # times the database was away and waited out, and for how long in all
-    db_outage_s: float = 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"worker_id": self.worker_id, "completed": self.num_completed, "failed": self.num_failed,
-                "released": self.num_released, "num_prompt_tokens": self.num_prompt_tokens,
-                "num_output_tokens": self.num_output_tokens, "preemptions": self.num_preemptions,
-                "seconds": round(self.seconds, 2), "stopped_by": self.stopped_by,
-                "output_tok_per_s": round(self.num_output_tokens / self.seconds, 2) if self.seconds else None,
-                "jobs": sorted(self.job_ids), "db_outages": self.db_outages, "db_outage_s": round(self.db_outage_s, 1)}
-
-    def line(self) -> str:
-        rate = f" · {self.num_output_tokens / self.seconds:.1f} output tok/s" if self.seconds else ""
-        stop = f" · stopped by {self.stopped_by}, {self.num_released} requests released" if self.stopped_by else ""
-        if self.db_outages:
-            stop += f" · database unavailable {self.db_outages} time(s), {self.db_outage_s:.0f}s in all (waited out)"
-        return (f"bulkgen run: {self.num_completed} completed · {self.num_failed} failed · "
-                f"{self.num_output_tokens:,} output tokens in {self.seconds:.1f}s{rate}{stop}")
 
 
 class Worker:
@@ -131,12 +100,12 @@ class Worker:
         self._engines: dict[str, EngineProtocol] = {}
         self._stop_requested: str | None = None
         self._stop_time = 0.0
-        self.writer = ResultWriter(store, self.worker_id, self.options.commit_rows, self.options.commit_interval_s)
+        self.writer = ResultWriter(store, self.worker_id, self.options.commit_every, self.options.commit_interval)
         self._progress: Progress | None = None
         self.num_generated = 0  # output tokens generated in this run, committed or not (a Ray driver sums them)
         self.outage = Outage(self.options.db_outage_s)
-        self.recorder = Recorder(self.worker_id, self.options.sample_interval_s)
-        self.liveness = Liveness(self.options.stall_s, self.options.lease_s,
+        self.recorder = Recorder(self.worker_id, self.options.sample_every)
+        self.liveness = Liveness(self.options.stall_s, self.options.lease_seconds,
                                  holding=lambda: (self.writer.num_held, self.writer.num_rows),
                                  waiting_out=lambda: self.outage.down)
         self._said: set[tuple[str, tuple[int, ...]]] = set()  # the start lines said (once a model and jobs)
@@ -148,7 +117,8 @@ class Worker:
     def run(self) -> RunSummary:
         start = time.monotonic()
         self._db(lambda: self._in_session(q.register_worker, self.worker_id), "register", wait=True)
-        heartbeat = Heartbeat(self.store, self.worker_id, self.options.lease_s, self.writer.held_ids, self.liveness)
+        heartbeat = Heartbeat(self.store, self.worker_id, self.options.lease_seconds, self.writer.held_ids,
+                              self.liveness)
         heartbeat.start()
         self.liveness.start()
         restore = on_stop_signals(self._on_signal, lambda: self._stop_requested is not None)
@@ -193,12 +163,12 @@ class Worker:
     def _on_signal(self, name: str) -> None:
         self.stop(name)
         log.warning("bulkgen: %s: finishing running requests (up to %.0fs), then stopping; "
-                    "Ctrl-C again to stop at once", name, self.options.drain_timeout_s)
+                    "Ctrl-C again to stop at once", name, self.options.drain_timeout)
 
     def _runnable_jobs(self) -> list[Job]:
         with self.store.session_scope(write=True) as session:
             dead = q.dead_local_workers(session)
-            q.reclaim_expired(session, self.options.max_attempts, dead, self.options.lease_s)
+            q.reclaim_expired(session, self.options.max_attempts, dead, self.options.lease_seconds)
             jobs = q.runnable_jobs(session, list(self.options.job_ids))
             if jobs:
                 q.settle_jobs(session, [job.id for job in jobs])
@@ -206,7 +176,7 @@ class Worker:
             if jobs and self._progress is None:
                 totals = q.queue_totals(session, [job.id for job in jobs])
                 self._progress = Progress(totals.num_requests, totals.num_done, totals.budget_left,
-                                          enabled=self.options.progress, log_every_s=self.options.log_every_s,
+                                          enabled=self.options.progress, log_every_s=self.options.log_every,
                                           exact=all(_runs_to_budget(job.spec) for job in jobs))
         return jobs
 
@@ -221,7 +191,7 @@ class Worker:
         params = {job.id: SamplingParams.from_dict(job.spec["sampling"]) for job in jobs}
         job_ids = [job.id for job in jobs]
         self.summary.job_ids.update(job_ids)
-        pace = _Pace(next_check=time.monotonic() + self.options.lease_s / 4)
+        pace = _Pace(next_check=time.monotonic() + self.options.lease_seconds / 4)
         self.recorder.serving(job_ids, engine.stats)
         claimed = 0
         while True:
@@ -318,8 +288,10 @@ class Worker:
         self.writer.collect(outputs)
         self.recorder.step(engine.stats)
         for out in outputs:
-            if (request := self.writer.held.get(out.request_id)) is not None and out.finish_reason != "abort":
-                self.recorder.finished(request.job_id, len(out.output_token_ids), out.finish_reason == "error")
+            request = self.writer.held.get(out.request_id)
+            if request is not None and out.finish_reason != FinishReason.ABORT:
+                failed = out.finish_reason == FinishReason.ERROR
+                self.recorder.finished(request.job_id, len(out.output_token_ids), failed)
         generated = engine.stats.num_output_tokens - before
         self.num_generated += generated
         if self._progress is not None:
@@ -333,7 +305,7 @@ class Worker:
         if time.monotonic() < pace.next_check and not self._outage_ended:
             return
         self._outage_ended = False
-        pace.next_check = time.monotonic() + self.options.lease_s / 4
+        pace.next_check = time.monotonic() + self.options.lease_seconds / 4
         if self.writer.has_rows:
             self._write(job_ids)
         lost, num_unknown = self._db(self.writer.reconcile, "reconcile leases") or ([], 0)
@@ -349,7 +321,7 @@ class Worker:
         now = time.monotonic()
         if self._progress is None or not self._progress.enabled or now < pace.next_sync:
             return
-        pace.next_sync = now + min(max(self.options.log_every_s / 3, 1.0), 10.0)
+        pace.next_sync = now + min(max(self.options.log_every / 3, 1.0), 10.0)
         totals = self._db(lambda: self._in_session(q.queue_totals, job_ids), "totals")
         if totals is not None:
             self._progress.sync(totals.num_done, totals.num_requests, totals.budget_left)
@@ -362,13 +334,13 @@ class Worker:
         most = claim_target(self.engine_config.max_num_seqs, engine.max_num_tokens,
                             q.QueueShape(1 << 30, 0, 1.0, 1))  # what it would take from an endless queue
         with self.store.session_scope() as session:
-            shape = q.queue_shape(session, job_ids, self.options.lease_s, enough_per_worker=most)
+            shape = q.queue_shape(session, job_ids, self.options.lease_seconds, enough_per_worker=most)
         return claim_target(self.engine_config.max_num_seqs, engine.max_num_tokens, shape)
 
     def _claim(self, engine: EngineProtocol, job_ids: list[int], params: dict[int, SamplingParams],
                limit: int) -> int:
         with self.store.session_scope(write=True) as session:
-            claimed = q.claim(session, self.worker_id, job_ids, limit, self.options.lease_s, self.options.packing)
+            claimed = q.claim(session, self.worker_id, job_ids, limit, self.options.lease_seconds, self.options.packing)
         for request_id in self.writer.hold(claimed):  # an earlier attempt of ours, lost before we noticed
             engine.abort(request_id)
         if claimed:
@@ -409,7 +381,7 @@ class Worker:
         """Stopping: give back what has not started; let the rest finish until the drain timeout. (While the
         database is away they stay held: the shutdown gives them back, or their leases expire.)"""
         aborted = engine.abort_waiting()
-        if time.monotonic() - self._stop_time > self.options.drain_timeout_s:
+        if time.monotonic() - self._stop_time > self.options.drain_timeout:
             aborted += [engine.abort(request_id) for request_id in list(self.writer.held)]
         ids = [out.request_id for out in aborted if out is not None]
         if ids and (released := self._db(lambda: self.writer.give_back(ids), "give back")) is not None:
@@ -457,7 +429,7 @@ class Worker:
                 "max_num_batched_tokens": config.max_num_batched_tokens, "block_size": config.block_size,
                 "attention_backend": config.attention_backend, "kernels": config.kernels,
                 "packing": self.options.packing, "kv_admission": self.options.kv_admission,
-                "stall_s": self.options.stall_s, "lease_s": self.options.lease_s}
+                "stall_s": self.options.stall_s, "lease_s": self.options.lease_seconds}
 
     def _say_start(self, engine: EngineProtocol, jobs: list[Job]) -> None:
         """The run's first line, as soon as the engine is up: what runs, how, and how much is queued (once for a

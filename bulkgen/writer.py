@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from bulkgen.engine.protocol import FinishReason
 from bulkgen.store import queue as q
 from bulkgen.store.db import Store
 from bulkgen.store.models import pack_ids
@@ -79,9 +80,9 @@ class ResultWriter:
             request = self.held.get(out.request_id)
             if request is None:
                 continue
-            if out.finish_reason == "error":
+            if out.finish_reason == FinishReason.ERROR:
                 self._failures.append((request.id, out.error or "generation failed"))
-            elif out.finish_reason != "abort":
+            elif out.finish_reason != FinishReason.ABORT:
                 self._results.append({
                     "request_id": request.id, "job_id": request.job_id, "text": out.text,
                     "token_ids": pack_ids(out.output_token_ids), "finish_reason": out.finish_reason,

@@ -6,18 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bulkgen.engine.attention import (
-    FULL,
-    AttentionMetadata,
-    LayerAttention,
-    PrefillChunk,
-    attend,
-    decode_torch,
-    gather_k,
-    k_block_shape,
-    write_kv,
-)
+from bulkgen.engine.attention import attend, decode_torch, gather_k, write_kv
 from bulkgen.engine.cpu.attention import decode_c, prefill_c
+from bulkgen.engine.metadata import FULL, CpuMetadata, LayerAttention, PrefillChunk, k_block_shape
 from tests.builds import HAS_AMX, HAS_AVX512_BF16, builds, kernel
 
 
@@ -41,11 +32,11 @@ def test_kernel_matches_torch(build: str, dtype: torch.dtype, head_dim: int, blo
 
 
 
-def decode_meta(k, v, tables, lens, max_len: int, **kernels) -> AttentionMetadata:
+def decode_meta(k, v, tables, lens, max_len: int, **kernels) -> CpuMetadata:
     """A decode-only step's metadata: every row a decoding sequence, nothing written."""
-    return AttentionMetadata(k_caches=[k], v_caches=[v], slots=None, slot_blocks=None, slot_offsets=None,
-                             num_decode_tokens=tables.shape[0], decode_block_tables=tables, decode_context_lens=lens,
-                             decode_max_context_len=max_len, **kernels)
+    return CpuMetadata(k_caches=[k], v_caches=[v], slots=None, slot_blocks=None, slot_offsets=None,
+                       num_decode_tokens=tables.shape[0], decode_block_tables=tables, decode_context_lens=lens,
+                       decode_max_context_len=max_len, **kernels)
 
 
 def prefill_case(start: int, num_tokens: int, num_blocks: int, block_size: int, kv_heads: int, group: int,
@@ -62,11 +53,11 @@ def prefill_case(start: int, num_tokens: int, num_blocks: int, block_size: int, 
     return table, positions, slots_all, keys, values, query
 
 
-def write_meta(k, v, slots, block_size: int, **rest) -> AttentionMetadata:
+def write_meta(k, v, slots, block_size: int, **rest) -> CpuMetadata:
     """A step that writes the K/V of `slots` (and attends for `prefills`, if given): no decode rows."""
-    return AttentionMetadata(k_caches=[k], v_caches=[v], slots=slots, slot_blocks=slots // block_size,
-                             slot_offsets=slots % block_size, num_decode_tokens=0, decode_block_tables=None,
-                             decode_context_lens=None, decode_max_context_len=0, **rest)
+    return CpuMetadata(k_caches=[k], v_caches=[v], slots=slots, slot_blocks=slots // block_size,
+                       slot_offsets=slots % block_size, num_decode_tokens=0, decode_block_tables=None,
+                       decode_context_lens=None, decode_max_context_len=0, **rest)
 
 def test_portable_bfloat16_path_matches_torch() -> None:
     """Without AVX512-BF16 the bfloat16 scores split each K pair into two float32 vectors instead."""
@@ -114,7 +105,7 @@ def test_kernel_write_matches_torch(build: str, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("head_dim,block_size", [(64, 32), (128, 16), (96, 16)])
 @pytest.mark.parametrize("start,num_tokens", [(0, 1), (0, 45), (32, 20), (7, 62), (100, 3)])
 def test_prefill_through_kernel_matches_torch(build: str, dtype: torch.dtype, head_dim: int, block_size: int,
-                                              start: int, num_tokens: int) -> None:
+                                        start: int, num_tokens: int) -> None:
     """Prefill chunks through the C kernel (rows in tiles of 4 where vectorised, else row by row; causal
     by context length) agree with torch's attention over the same paged cache: fresh prompts, chunks
     after cached tokens (chunked prefill, prefix hits) longer and shorter than what is cached, row
@@ -122,7 +113,7 @@ def test_prefill_through_kernel_matches_torch(build: str, dtype: torch.dtype, he
     torch.manual_seed(start + num_tokens + head_dim)
     kv_heads, group, num_blocks = 3, 3, 16
     table, positions, slots_all, keys, values, query = prefill_case(start, num_tokens, num_blocks, block_size,
-                                                                    kv_heads, group, head_dim, dtype)
+                                                              kv_heads, group, head_dim, dtype)
     outs = []
     for library in (kernel(build), None):
         k = torch.zeros(num_blocks, *k_block_shape(kv_heads, head_dim, block_size, dtype), dtype=dtype)
@@ -188,7 +179,7 @@ def _layer(name: str, num_heads: int) -> LayerAttention:
 @pytest.mark.parametrize("head_dim,block_size", [(64, 16), (128, 32), (96, 16)])
 @pytest.mark.parametrize("name", list(LAYERS))
 def test_windows_softcaps_and_sinks_match_their_definition(build: str, dtype: torch.dtype, head_dim: int,
-                                                           block_size: int, name: str) -> None:
+                                                     block_size: int, name: str) -> None:
     """Decode rows and prefill chunks, in C and in torch, against the definition written out: contexts
     shorter than, at and past the window, windows inside one block and across several, chunks whose
     tiles straddle the window's edge, after cached tokens."""
@@ -217,7 +208,7 @@ def test_windows_softcaps_and_sinks_match_their_definition(build: str, dtype: to
     # prefill: chunks fresh and after cached tokens, through the C kernel and through torch
     for start, num_tokens in ((0, 45), (13, 22), (40, 3), (0, 7)):
         table, positions, slots_all, keys, values, query = prefill_case(start, num_tokens, num_blocks, block_size,
-                                                                        kv_heads, group, head_dim, dtype)
+                                                                  kv_heads, group, head_dim, dtype)
         want = explicit_attention(query, keys, values, positions[start:], scale, layer).float()
         for library in (kernel(build), None):
             k = torch.zeros(num_blocks, *k_block_shape(kv_heads, head_dim, block_size, dtype), dtype=dtype)
@@ -230,17 +221,17 @@ def test_windows_softcaps_and_sinks_match_their_definition(build: str, dtype: to
             if library is not None:
                 chunk.block_table = table
             meta = write_meta(k, v, slots_all[start:], block_size, prefills=[chunk], prefill_kernel=library,
-                              write_kernel=library, num_threads=2)
+                        write_kernel=library, num_threads=2)
             got = attend(meta, 0, query, keys[start:], values[start:], scale, layer).float()
             assert torch.allclose(got, want, atol=tolerance), (start, num_tokens, library, (got - want).abs().max())
 
 
 @pytest.mark.skipif(not HAS_AMX, reason="AMX tiles need an Intel Xeon of the 4th generation or later (the other "
-                                        "prefill kernels are tested on every CPU)")
+                                  "prefill kernels are tested on every CPU)")
 @pytest.mark.parametrize("head_dim,block_size,group", [(64, 32, 3), (128, 64, 4), (64, 16, 2)])
 @pytest.mark.parametrize("start,num_tokens", [(0, 1), (0, 200), (40, 17), (333, 50)])
 def test_prefill_on_amx_tiles_matches_the_definition(head_dim: int, block_size: int, group: int, start: int,
-                                                     num_tokens: int) -> None:
+                                               num_tokens: int) -> None:
     """bfloat16 prefill on AMX tiles (16 query rows of a head a tile, 32 keys a step, K's tiles straight from
     its blocks): within torch's own bfloat16 error of the float64 definition, chunks fresh and after cached
     tokens, partial tiles and steps, the cache's unwritten slots NaN (they must not leak). Blocks of 16
@@ -248,7 +239,7 @@ def test_prefill_on_amx_tiles_matches_the_definition(head_dim: int, block_size: 
     torch.manual_seed(start + num_tokens + head_dim)
     dtype, kv_heads, num_blocks = torch.bfloat16, 2, 24
     table, positions, slots_all, keys, values, query = prefill_case(start, num_tokens, num_blocks, block_size,
-                                                                    kv_heads, group, head_dim, dtype)
+                                                              kv_heads, group, head_dim, dtype)
     k = torch.full((num_blocks, *k_block_shape(kv_heads, head_dim, block_size, dtype)), float("nan"), dtype=dtype)
     v = torch.full((num_blocks, kv_heads, block_size, head_dim), float("nan"), dtype=dtype)
     library = kernel()
@@ -259,9 +250,9 @@ def test_prefill_on_amx_tiles_matches_the_definition(head_dim: int, block_size: 
     got = prefill_c(meta, query, k, v, chunk, scale, FULL)
     out = torch.empty_like(query)
     status = library.paged_prefill_amx(q=query.data_ptr(), k_cache=k.data_ptr(), v_cache=v.data_ptr(),
-                                       table=table.data_ptr(), start=start, n=num_tokens, out=out.data_ptr(),
-                                       num_heads=kv_heads * group, num_kv_heads=kv_heads, head_dim=head_dim,
-                                       block_size=block_size, scale=scale, num_threads=2)
+                                 table=table.data_ptr(), start=start, n=num_tokens, out=out.data_ptr(),
+                                 num_heads=kv_heads * group, num_kv_heads=kv_heads, head_dim=head_dim,
+                                 block_size=block_size, scale=scale, num_threads=2)
     assert status == (2 if block_size % 32 else 0)
     want = explicit_attention(query, keys, values, positions[start:], scale, FULL)
     mask = positions[start:, None] >= positions[None, :]

@@ -41,7 +41,7 @@ def test_bench_compares_engines_on_a_workload_file(tmp_path: Path, tiny_model_di
 
 def test_bench_synthetic_and_bad_arguments(tmp_path: Path, tiny_model_dir: Path) -> None:
     result = invoke("bench", "--synthetic", 3, "--model", tiny_model_dir, "--compare", "",
-                    "--kv-cache-memory", "8MiB", "--policy", "fifo")
+                    "--kv-cache-memory", "8MiB", "--packing", "fifo")
     assert "synthetic-3-seed0" in result.stdout and "bulkgen" in result.stdout
     assert "give a workload file or --synthetic" in invoke("bench", expect=2).output
     assert "unknown engine 'tgi'" in invoke("bench", "--synthetic", 2, "--model", tiny_model_dir,
@@ -93,7 +93,7 @@ def test_the_roofline_counts_the_weights_and_the_kv_a_decode_step_reads() -> Non
 
 
 def test_queue_bench_runs_workers_through_the_real_store(make_db, tmp_path: Path) -> None:
-    """bulkgen bench --queue: worker processes claim and commit through the store with no model; every
+    """bulkgen bench queue: worker processes claim and commit through the store with no model; every
     request of each run lands once, and the figures come out per worker count."""
     from sqlalchemy import func, select
 
@@ -102,28 +102,27 @@ def test_queue_bench_runs_workers_through_the_real_store(make_db, tmp_path: Path
 
     url = make_db("queue")
     out = tmp_path / "queue.json"
-    invoke("bench", "--queue", "--workers", "1,2", "--queue-requests", "300", "--db", url, "--json", out)
+    invoke("bench", "queue", "--workers", "1,2", "--queue-requests", "300", "--db", url, "--json", out)
     rows = json.loads(out.read_text())["queue"]
     assert [r["workers"] for r in rows] == [1, 2] and all(r["requests"] == 300 and r["requests_per_s"] > 0
                                                           for r in rows)
     with open_store(url).session_scope() as session:
         assert session.scalar(select(func.count()).select_from(Result)) == 600
         assert session.scalar(select(func.max(Request.attempts))) == 1
-    assert "--workers takes worker counts" in invoke("bench", "--queue", "--workers", "0", expect=2).output
-    # the same through the bench group's own command
-    again = tmp_path / "queue2.json"
-    invoke("bench", "queue", "--workers", "1", "--queue-requests", "200", "--db", make_db("queue2"), "--json", again)
-    assert [r["requests"] for r in json.loads(again.read_text())["queue"]] == [200]
+    assert "--workers takes worker counts" in invoke("bench", "queue", "--workers", "0", expect=2).output
     assert "--workers takes worker counts" in invoke("bench", "queue", "--workers", "x", expect=2).output
 
 
-def test_bench_group_names_and_todays_flags_make_the_same_workload(tmp_path: Path) -> None:
-    """`bench make-workload N FILE` and today's `bench --make-workload N FILE` write the same rows; `bench`
-    with a file and no command name is `bench compare`; a bad workload path is one line, exit 2."""
+def test_bench_group_names_one_command_each(tmp_path: Path) -> None:
+    """`bench make-workload N FILE` writes the workload, the same rows for the same seed; `bench` with a file and
+    no command name is `bench compare`, whose flags are its own (the old --make-workload, --queue, --suite are
+    gone: one line, exit 2); a bad workload path is one line, exit 2."""
     invoke("bench", "make-workload", "6", tmp_path / "a.parquet", "--seed", "3")
-    invoke("bench", "--make-workload", "6", tmp_path / "b.parquet", "--seed", "3")
+    invoke("bench", "make-workload", "6", tmp_path / "b.parquet", "--seed", "3")
     assert pq.read_table(tmp_path / "a.parquet").equals(pq.read_table(tmp_path / "b.parquet"))
     assert pq.read_table(tmp_path / "a.parquet").num_rows == 6
+    for flag in ("--make-workload", "--queue", "--suite"):
+        assert "No such option" in invoke("bench", tmp_path / "a.parquet", flag, expect=2).output
     helps = invoke("bench", "--help").output
     assert all(name in helps for name in ("compare", "suite", "queue", "make-workload"))
     missing = invoke("bench", tmp_path / "nope.parquet", expect=2).output

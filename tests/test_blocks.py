@@ -230,5 +230,6 @@ def test_gguf_on_the_triton_path_equals_hf_generate_with_reference_layers(tiny_g
     engine = Engine(resolve_model(str(tiny_gguf)).path,
                     EngineConfig(quantization="gguf", attention_backend="triton", block_size=16,
                                  kv_cache_memory=1 << 22, max_num_batched_tokens=32))
-    assert engine.runner.use_triton and engine.runner.forward.layers[0].down.parts[0].kernel is None
+    assert type(engine.runner.backend).__name__ == "TritonBackend"
+    assert engine.runner.forward.layers[0].down.parts[0].kernel is None
     assert engine_greedy(engine, workload) == expected

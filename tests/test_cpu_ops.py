@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bulkgen.engine.cpu.ops import Ops
+from bulkgen.engine.cpu.ops import Ops, rms_norm_torch
 from bulkgen.engine.grammar import mask_logits
-from bulkgen.engine.layers import GatedLinear, Linear, fused, onednn_takes, rms_norm_torch, rotate
+from bulkgen.engine.layers import GatedLinear, Linear, fused, onednn_takes, rotate
 from tests.builds import BF16_LINEAR_BUILDS, BUILDS, HAS_AMX, builds, kernel
 
 # float32: a K=576 reduction summed in another order differs by a few ulps of its largest terms (~1e-6)

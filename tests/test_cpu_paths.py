@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from bulkgen.config import KERNEL_FAMILIES, EngineConfig, parse_kernels
+from bulkgen.engine import paths as cpu_paths
 from bulkgen.engine.cpu import machine as cpu
-from bulkgen.engine.cpu import paths as cpu_paths
 from bulkgen.engine.engine import Engine
 from bulkgen.errors import ConfigError
 from bulkgen.model import ModelShape

@@ -248,7 +248,7 @@ def test_sqlite_locked_past_the_busy_timeout_is_waited_out(tmp_path: Path, tiny_
     db = f"sqlite:///{path}"
     job_id = make_job(tmp_path, tiny_model_dir, db)
     worker = Worker(open_store(db), EngineConfig(kv_cache_memory=16 * 2**20, max_num_seqs=8),
-                    WorkerOptions(commit_rows=8, commit_interval_s=0.2, lease_s=5, progress=False))
+                    WorkerOptions(commit_every=8, commit_interval=0.2, lease_seconds=5, progress=False))
     errors: list[BaseException] = []
 
     def run() -> None:

@@ -174,7 +174,8 @@ def test_triton_path_equals_hf_generate(models) -> None:
     config = EngineConfig(kv_cache_memory=336 * KV_BYTES_PER_TOKEN["llama64"], max_num_batched_tokens=64,
                           attention_backend="triton", max_num_seqs=8, block_size=16)
     engine = Engine(model_dir, config)
-    assert engine.runner.use_triton and engine.runner._k_caches[0].shape[1:] == engine.runner._v_caches[0].shape[1:]
+    assert type(engine.runner.backend).__name__ == "TritonBackend"
+    assert engine.runner.kv.k_caches[0].shape[1:] == engine.runner.kv.v_caches[0].shape[1:]
     assert _first(engine, dict.fromkeys(picked, 16)) == {i: expected[i][:min(WORKLOAD[i][1], 16)] for i in picked}
     assert engine.stats.num_preemptions > 0
 
@@ -190,7 +191,7 @@ def test_decode_graphs_pad_to_their_bucket_and_equal_hf_generate(models) -> None
     config = EngineConfig(kv_cache_memory=337 * KV_BYTES_PER_TOKEN["llama64"], max_num_batched_tokens=64,
                           attention_backend="triton", max_num_seqs=5, block_size=16, cuda_graphs=True)
     engine = Engine(model_dir, config)
-    graphs = engine.runner.decode_graphs
+    graphs = engine.runner.backend.graphs
     assert graphs is not None and graphs.sizes == [1, 2, 4, 5] and graphs.scratch_block == engine.runner.num_blocks
     assert sorted(graphs.graphs) == graphs.sizes, "every bucket is captured when the engine starts"
     made = dict(graphs.graphs)

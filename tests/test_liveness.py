@@ -55,7 +55,7 @@ def test_a_worker_blocked_on_a_lock_says_so_then_stops_and_gives_its_requests_ba
     num_rows = 120
     make_job(tmp_path, tiny_model_dir, db, num_rows=num_rows, max_new=48)
     worker = Worker(open_store(db), EngineConfig(kv_cache_memory=16 * 2**20, max_num_seqs=8),
-                    WorkerOptions(commit_rows=4, commit_interval_s=0.2, lease_s=30, stall_s=2.0, progress=False))
+                    WorkerOptions(commit_every=4, commit_interval=0.2, lease_seconds=30, stall_s=2.0, progress=False))
     errors: list[BaseException] = []
 
     def run() -> None:
@@ -156,7 +156,7 @@ def test_a_worker_waiting_on_others_says_so_once_not_at_every_poll(
     try:
         assert states(db).get("running", 0) > 0, "the paused worker holds requests"
         worker = PollCountingWorker(open_store(db), EngineConfig(kv_cache_memory=16 * 2**20, max_num_seqs=8),
-                                    WorkerOptions(commit_interval_s=0.2, poll_s=0.02, lease_s=300))
+                                    WorkerOptions(commit_interval=0.2, poll_s=0.02, lease_seconds=300))
         thread = threading.Thread(target=worker.run)
         thread.start()
         wait_until(lambda: worker.num_waits >= 10 or not thread.is_alive(), "ten polls of the waiting worker")

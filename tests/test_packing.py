@@ -1,4 +1,4 @@
-"""The packer: admission order per policy, and the projected-peak KV admission."""
+"""The packer: admission order per packing, and the projected-peak KV admission."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def test_orders() -> None:
     assert [i.name for i in order(ITEMS, "sorted")] == ["b", "d", "a", "c", "e"]
     # most output tokens first (the decode chain is what makes a tail), longer prompt first on ties
     assert [i.name for i in order(ITEMS, "lpt")] == ["d", "b", "c", "e", "a"]
-    with pytest.raises(ConfigError, match="packing policy"):
+    with pytest.raises(ConfigError, match="--packing must be one of"):
         order(ITEMS, "random")
 
 

@@ -203,5 +203,6 @@ def test_int8_on_the_triton_path_equals_hf_generate_with_reference_layers(tiny_l
     expected = _hf_w8a8_greedy(tiny_llama64_dir, workload)
     engine = Engine(tiny_llama64_dir, EngineConfig(quantization="int8", attention_backend="triton", block_size=16,
                                                    kv_cache_memory=1 << 22, max_num_batched_tokens=32))
-    assert engine.runner.use_triton and engine.runner.forward.layers[0].down.kernel is None
+    assert type(engine.runner.backend).__name__ == "TritonBackend"
+    assert engine.runner.forward.layers[0].down.kernel is None
     assert engine_greedy(engine, workload) == expected

@@ -18,6 +18,7 @@ triton_attention = pytest.importorskip("bulkgen.engine.gpu.attention")
 
 from bulkgen.config import EngineConfig, SamplingParams  # noqa: E402
 from bulkgen.engine.engine import Engine  # noqa: E402
+from bulkgen.engine.runner import warm_up_seq  # noqa: E402
 
 KERNELS = ("_write_kv_kernel", "_decode_kernel", "_combine_kernel", "_prefill_kernel")
 
@@ -63,7 +64,9 @@ def test_a_ragged_run_asks_for_few_kernel_variants_and_none_past_the_warm_up(tin
     engine = Engine(tiny_model_dir, EngineConfig(attention_backend="triton", block_size=16, max_num_seqs=6,
                                                  max_num_batched_tokens=40, kv_cache_memory=2 * 2**20))
     # what a GPU's engine runs at start (here, in the interpreter, it is called by hand: nothing compiles)
-    assert engine.runner.warm_up() == [1, 2], "the interpreter's split counts: two a sequence at most"
+    runner = engine.runner
+    splits = runner.backend.warm_up(runner.execute, warm_up_seq(runner.layout.num_groups), runner.max_model_len)
+    assert splits == [1, 2], "the interpreter's split counts: two a sequence at most"
     warmed = {name: set(found) for name, found in keys.items()}
     for found in keys.values():
         found.clear()

@@ -220,7 +220,7 @@ def test_cancelled_job_is_not_run(tmp_path: Path, db_url: str, tiny_model_dir: P
         assert session.get(Job, job_id).status == "cancelled"
 
 
-@pytest.mark.parametrize("bad", [{"lease_s": 0}, {"max_attempts": 0}, {"packing": "random"}])
+@pytest.mark.parametrize("bad", [{"lease_seconds": 0}, {"max_attempts": 0}, {"packing": "random"}])
 def test_bad_worker_options(bad: dict) -> None:
     from bulkgen.errors import ConfigError
 

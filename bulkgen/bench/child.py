@@ -19,7 +19,8 @@ from bulkgen.bench.suite import NullTokenizer, build_model, decode_roofline, mea
 from bulkgen.bench.workload import Workload
 from bulkgen.config import EngineConfig, SamplingParams
 from bulkgen.engine.engine import Engine
-from bulkgen.engine.runner import TORCH_DTYPES
+from bulkgen.engine.loading import TORCH_DTYPES
+from bulkgen.engine.protocol import FinishReason
 from bulkgen.model import ModelShape
 from bulkgen.packing import admission_for, order
 from bulkgen.store.packings import DEFAULT_PACKING
@@ -58,7 +59,7 @@ def run_bulkgen(spec: dict[str, Any], workload: Workload) -> dict[str, Any]:
         for out in engine.step():
             outputs[out.request_id] = out.output_token_ids
             finish[out.request_id] = time.perf_counter() - start
-            if out.finish_reason == "stop":
+            if out.finish_reason == FinishReason.STOP:
                 complete[out.request_id] = out.text
     wall = time.perf_counter() - start
     steps = engine.stats.steps

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bulkgen.config import EngineConfig, SamplingParams
-from bulkgen.engine.protocol import EngineStats, RequestOutput
+from bulkgen.engine.protocol import EngineStats, FinishReason, RequestOutput
 from bulkgen.errors import BulkgenError
 from bulkgen.store import jobs as job_ops
 from bulkgen.store.db import open_store
@@ -40,7 +40,7 @@ class FixedEngine:
         self._queued.append((request_id, prompt_token_ids))
 
     def step(self) -> list[RequestOutput]:
-        out = [RequestOutput(request_id, prompt, list(range(self.num_tokens)), "", "length", latency_s=0.0)
+        out = [RequestOutput(request_id, prompt, list(range(self.num_tokens)), "", FinishReason.LENGTH, latency_s=0.0)
                for request_id, prompt in self._queued]
         self.stats.num_steps += 1
         self.stats.num_output_tokens += self.num_tokens * len(out)
@@ -51,7 +51,7 @@ class FixedEngine:
         for i, (queued_id, prompt) in enumerate(self._queued):
             if queued_id == request_id:
                 del self._queued[i]
-                return RequestOutput(request_id, prompt, [], "", "abort")
+                return RequestOutput(request_id, prompt, [], "", FinishReason.ABORT)
         return None
 
     def abort_waiting(self) -> list[RequestOutput]:
@@ -86,7 +86,7 @@ def make_queue_job(db_url: str, num_requests: int, prompt_tokens: int = 64, max_
 def _worker(db_url: str, job_id: int, kv_tokens: int, max_num_seqs: int, ready: Any, go: Any,
             results: Any) -> None:
     store = open_store(db_url)
-    options = WorkerOptions(job_ids=(job_id,), progress=False, poll_s=0.05, commit_rows=256, commit_interval_s=0.5)
+    options = WorkerOptions(job_ids=(job_id,), progress=False, poll_s=0.05, commit_every=256, commit_interval=0.5)
     worker = Worker(store, EngineConfig(max_num_seqs=max_num_seqs), options,
                     engine_factory=lambda path, config: FixedEngine(max_num_tokens=kv_tokens))
     ready.put(True)

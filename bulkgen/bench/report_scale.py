@@ -12,6 +12,7 @@ from typing import Any
 
 from sqlalchemy import insert, text, update
 
+from bulkgen.engine.protocol import FinishReason
 from bulkgen.recorder import SAMPLE_INTERVAL_S
 from bulkgen.report.figures import build_report
 from bulkgen.report.page import render
@@ -48,7 +49,7 @@ def make_big_job(store: Store, num_rows: int, num_workers: int = 4, hours: float
                 results.append({"request_id": ids[row], "job_id": job_id,
                                 "text": " ".join(rng.choices(WORDS, k=num_out)),
                                 "token_ids": pack_ids([rng.randrange(32000) for _ in range(num_out)]),
-                                "finish_reason": "length" if num_out == 256 else "stop",
+                                "finish_reason": FinishReason.LENGTH if num_out == 256 else FinishReason.STOP,
                                 "num_prompt_tokens": len(prompts[row]), "num_output_tokens": num_out,
                                 "worker_id": workers[row % num_workers], "time_to_first_token_s": rng.uniform(0.1, 3),
                                 "latency_s": rng.uniform(2, 60), "finished_at": start + timedelta(

@@ -44,7 +44,7 @@ BENCH_SCHEMAS = {
 class EngineRun:
     name: str  # one of ENGINES
     dtype: str
-    packing: str | None = None  # bulkgen's packing policy, when it differs from the run's
+    packing: str | None = None  # bulkgen's packing, when it differs from the run's
     label: str = ""  # as the user wrote it: bulkgen, vllm@bfloat16, bulkgen@fifo
     kv_admission: bool | None = None  # bulkgen's KV admission, when it differs from the run's
     kernels: str | None = None  # bulkgen's CPU kernel paths (c, torch), when they differ from the run's
@@ -62,7 +62,7 @@ class BenchOptions:
     kv_admission: bool = True
     hf_batch_sizes: list[int] = field(default_factory=lambda: [8])
     vllm_python: str | None = None
-    vllm_num_blocks: int | None = None  # vLLM's KV cache in its 128-token CPU blocks (None: 4 GiB)
+    vllm_num_blocks: int | None = None  # vLLM's KV cache in its CPU blocks (None: 4 GiB)
     num_threads: int | None = None
     timeout_s: float = 4 * 3600
     reference: str | None = None  # label of the engine whose tokens the others are compared with
@@ -72,7 +72,7 @@ class BenchOptions:
 
 def parse_engines(compare: str, dtype: str) -> list[EngineRun]:
     """'hf-static-sorted,vllm@bfloat16,bulkgen@fifo' → bulkgen first, then each peer. Each suffix after
-    an @ is a dtype (float32, bfloat16, float16) or, for bulkgen, a packing policy (lpt, sorted, fifo) or
+    an @ is a dtype (float32, bfloat16, float16) or, for bulkgen, a packing (lpt, sorted, fifo) or
     `no-kv-admission` (admit whatever has blocks now and preempt when they run out, as vLLM does):
     `bulkgen@fifo@no-kv-admission`, or its CPU kernel paths, `c` or `torch` (every family forced, as
     --kernels does): `bulkgen@torch` is the plain-torch floor the C kernels must beat; `bulkgen@json` and
@@ -102,7 +102,7 @@ def parse_engines(compare: str, dtype: str) -> list[EngineRun]:
                 quantization = suffix
             else:
                 raise ConfigError(f"cannot read {item!r} in --compare: after @ give a dtype, or for bulkgen a "
-                                  f"packing policy ({', '.join(PACKINGS)}), no-kv-admission, c / torch (its "
+                                  f"packing ({', '.join(PACKINGS)}), no-kv-admission, c / torch (its "
                                   "CPU kernel paths), int8 / gguf (--quantization), json / json-free, or greedy "
                                   "(also for vllm)")
         runs.append(EngineRun(name, run_dtype, packing, item, kv_admission, kernels, json_schema, greedy,
@@ -131,6 +131,7 @@ def run_bench(workload: Workload, options: BenchOptions, log: Callable[[str], No
                     "kv_admission": options.kv_admission if run.kv_admission is None else run.kv_admission,
                     "hf_batch_sizes": options.hf_batch_sizes,
                     "num_threads": options.num_threads, "vllm_num_blocks": options.vllm_num_blocks,
+                    "vllm_block_tokens": VLLM_BLOCK_TOKENS,
                     "sampling": {} if run.greedy or name.startswith("hf-") else options.sampling,
                     **({"json_schema": _schema(run.json_schema, options)} if run.json_schema else {})}
             spec_path, out_path = Path(tmp) / f"{label}.spec.json", Path(tmp) / f"{label}.out.json"

@@ -18,10 +18,11 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    # The longest request rounded up to vLLM's 128-token CPU block: vLLM refuses a KV cache smaller than
-    # one request of max_model_len, and the model's own 8,192 would not fit a tight cache.
+    # The longest request rounded up to vLLM's CPU block (bench/run.py's VLLM_BLOCK_TOKENS): vLLM refuses a KV
+    # cache smaller than one request of max_model_len, and the model's own 8,192 would not fit a tight cache.
     longest = max(len(p) + n for p, n in zip(workload["prompts"], workload["max_new_tokens"], strict=True))
-    kwargs = {"max_model_len": -(-longest // 128) * 128}
+    block = spec["vllm_block_tokens"]
+    kwargs = {"max_model_len": -(-longest // block) * block}
     if spec.get("vllm_num_blocks"):
         kwargs["num_gpu_blocks_override"] = spec["vllm_num_blocks"]
     llm = LLM(model=spec["model"], dtype=spec["dtype"], seed=0, **kwargs)

@@ -1,8 +1,8 @@
 """`bulkgen bench`: bulkgen against its peers on one workload (`bench WORKLOAD ...`, the same as
-`bench compare`), the GPU suite (`bench suite`), the queue alone (`bench queue`), and the benchmarks'
-workload file (`bench make-workload`). The flags of the first form also reach the others (--suite,
---queue, --make-workload), as they always have. (Over 300 lines: the first form's 35 options, each named
-once and shared with the other commands.)"""
+`bench compare`), the GPU suite (`bench suite`), the queue alone (`bench queue`), the benchmarks' workload
+file (`bench make-workload`) and `bulkgen report` on a big job (`bench report`): one command each. (Over 300
+lines: one noun, as the CLI's rule has it; its commands share their options: the model, the seed, the JSON path,
+the HF batch sizes, the engine's.)"""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import click
 
 from bulkgen.bench import workload as wl
 from bulkgen.bench.report import format_table, plot, write_json
-from bulkgen.bench.run import BenchOptions, child_runner, parse_engines, run_bench
+from bulkgen.bench.run import VLLM_BLOCK_TOKENS, BenchOptions, child_runner, parse_engines, run_bench
 from bulkgen.bench.suite import (
     GPU_MODELS,
     SUITE_ENGINES,
@@ -97,10 +97,6 @@ def bench() -> None:
 @bench.command(context_settings=CONTEXT)
 @click.argument("workload", type=click.Path(path_type=Path), required=False)
 @click.option("--synthetic", type=int, help="Instead of a file: N synthetic requests (prompts 60..1400 tokens).")
-@click.option("--suite", type=click.Choice(["gpu"]), help="Instead of a workload: the GPU suite (as `bench suite`).")
-@SUITE_OPTIONS
-@click.option("--make-workload", "make_workload", type=int, metavar="N",
-              help="Write the benchmarks' workload of N requests to WORKLOAD and stop (as `bench make-workload`).")
 @click.option("--limit", type=int, help="Only the first N rows of the workload file.")
 @click.option("--chat", is_flag=True, help="The prompts are plain instructions: render them with the chat template.")
 @click.option("--max-new-tokens", type=int, default=128, show_default=True,
@@ -110,8 +106,8 @@ def bench() -> None:
               help="Peers, comma-separated, each optionally @dtype (or, for bulkgen, @packing, "
                    "@no-kv-admission, or @torch / @c for its CPU kernel paths): bulkgen, bulkgen-store, hf-static, "
                    "hf-static-sorted, hf-cb, vllm. Peers not installed are skipped.")
-@click.option("--packing", "--policy", "packing", type=click.Choice(PACKINGS), default=DEFAULT_PACKING,
-              show_default=True, help="bulkgen's packing policy (as `run --packing`).")
+@click.option("--packing", type=click.Choice(PACKINGS), default=DEFAULT_PACKING, show_default=True,
+              help="bulkgen's packing (as `run --packing`).")
 @click.option("--kv-admission/--no-kv-admission", default=True, show_default=True,
               help="Admit only what the KV cache can hold to the end.")
 @HF_BATCH_SIZE
@@ -131,17 +127,12 @@ def bench() -> None:
               help="With --temperature: drop tokens below this share of the most likely one's probability.")
 @click.option("--json-schema", "bench_schema", metavar="FILE_OR_JSON",
               help="The schema of bulkgen@json's outputs (default: an array no budget can finish).")
-@click.option("--queue", "queue_bench", is_flag=True, help="Measure the queue alone (as `bench queue`).")
-@QUEUE_OPTIONS
 @engine_options
-def compare(workload: Path | None, synthetic: int | None, suite: str | None, suite_models: str, suite_requests: int,
-            suite_peer_requests: int, suite_prompt_tokens: str, suite_output_tokens: str, suite_engines: str,
-            make_workload: int | None, limit: int | None, chat: bool,
-            max_new_tokens: int, model: str | None, compare: str, packing: str, kv_admission: bool,
-            hf_batch_size: str, vllm_python: str | None, json_path: Path | None, plot_path: Path | None, seed: int,
+def compare(workload: Path | None, synthetic: int | None, limit: int | None, chat: bool, max_new_tokens: int,
+            model: str | None, compare: str, packing: str, kv_admission: bool, hf_batch_size: str,
+            vllm_python: str | None, json_path: Path | None, plot_path: Path | None, seed: int,
             reference: str | None, temperature: float, top_p: float, top_k: int, min_p: float,
-            bench_schema: str | None, queue_bench: bool, queue_workers: str, queue_dbs: tuple[str, ...],
-            queue_requests: int, **engine: Any) -> None:
+            bench_schema: str | None, **engine: Any) -> None:
     """Benchmark bulkgen against its peers on one workload, all in one run, and print one table.
 
     Every engine generates exactly each row's max_new_tokens greedily (EOS masked), each in its own
@@ -159,18 +150,8 @@ def compare(workload: Path | None, synthetic: int | None, suite: str | None, sui
       bulkgen bench w64.parquet --compare bulkgen@torch,vllm     # the C kernels against plain torch
       bulkgen bench w256.parquet --temperature 0.8 --top-p 0.95 --compare bulkgen@greedy,bulkgen@json,vllm
     """
-    if suite is not None:
-        _suite(suite_models, suite_requests, suite_peer_requests, suite_engines, hf_batch_size, json_path, engine,
-               suite_prompt_tokens, suite_output_tokens)
-        return
-    if queue_bench:
-        _queue(queue_workers, queue_dbs, queue_requests, engine["max_num_seqs"], json_path)
-        return
     if (workload is None) == (synthetic is None):
         raise click.UsageError("give a workload file or --synthetic N (one of them)")
-    if make_workload is not None:
-        _make_workload(make_workload, workload, seed, model)
-        return
     resolved = resolve_model(model or default_model(), log=lambda m: click.echo(m, err=True))
     tokenizer = load_tokenizer(resolved.path)
     if workload is not None:
@@ -186,7 +167,7 @@ def compare(workload: Path | None, synthetic: int | None, suite: str | None, sui
     vllm_blocks = None
     if config.kv_cache_memory is not None and any(run.name == "vllm" for run in engines):
         per_token = ModelShape.of(read_config(resolved.path)).kv_bytes_per_token(config.dtype)
-        vllm_blocks = max(1, config.kv_cache_memory // per_token // 128)
+        vllm_blocks = max(1, config.kv_cache_memory // per_token // VLLM_BLOCK_TOKENS)
     options = BenchOptions(model_path=str(resolved.path), engines=engines, engine_config=dataclasses.asdict(config),
                            packing=packing, kv_admission=kv_admission,
                            hf_batch_sizes=[int(b) for b in hf_batch_size.split(",")], vllm_python=vllm_python,
@@ -197,7 +178,7 @@ def compare(workload: Path | None, synthetic: int | None, suite: str | None, sui
     click.echo(f"workload {d['name']}: {d['num_requests']} requests, {d['num_prompt_tokens']:,} prompt tokens "
                f"(min {d['prompt_tokens_min']}, mean {d['prompt_tokens_mean']}, max {d['prompt_tokens_max']}), "
                f"{d['num_output_tokens']:,} output tokens; model {resolved.name}; dtype {config.dtype}; "
-               f"policy {packing}; {_sampling_text(sampling)}; {report['machine']}")
+               f"packing {packing}; {_sampling_text(sampling)}; {report['machine']}")
     click.echo(format_table(report))
     if json_path:
         write_json(report, json_path)
@@ -260,10 +241,9 @@ def make_workload_cmd(num_requests: int, workload: Path, seed: int, model: str |
     _make_workload(num_requests, workload, seed, model)
 
 
-def _make_workload(num_requests: int, workload: Path | None, seed: int, model: str | None) -> None:
-    if workload is None or num_requests < 1:
-        raise click.UsageError("--make-workload N needs N >= 1 and the file to write: bulkgen bench --make-workload "
-                               "256 w256.parquet")
+def _make_workload(num_requests: int, workload: Path, seed: int, model: str | None) -> None:
+    if num_requests < 1:
+        raise click.UsageError("make-workload N needs N >= 1: bulkgen bench make-workload 256 w256.parquet")
     resolved = resolve_model(model or default_model(), log=lambda m: click.echo(m, err=True))
     counts = wl.make_workload(load_tokenizer(resolved.path), num_requests, workload, seed)
     click.echo(f"wrote {workload}: {counts['num_requests']} requests, {counts['num_prompt_tokens']:,} prompt "
@@ -286,7 +266,7 @@ def _queue(workers: str, dbs: tuple[str, ...], num_requests: int, max_num_seqs: 
         urls = list(dbs) or [f"sqlite:///{tmp}/queue.db"]
         for url in urls:
             open_store(url).close()  # a bad URL is one line before any worker starts
-        click.echo(f"bulkgen bench --queue: {num_requests:,} requests a run, workers hold up to {max_num_seqs} each",
+        click.echo(f"bulkgen bench queue: {num_requests:,} requests a run, workers hold up to {max_num_seqs} each",
                    err=True)
         rows = run_queue_bench(urls, counts, num_requests, max_num_seqs, lambda m: click.echo(m, err=True))
     if json_path:
@@ -299,10 +279,10 @@ def _resolved_dtype(config: EngineConfig, model_dir: Path) -> EngineConfig:
         return config
     import torch  # here: the bench's children import it anyway
 
-    from bulkgen.engine.memory import dtype_for
+    from bulkgen.engine.memory import run_plan
 
     on_gpu = config.device.startswith("cuda") or (config.device == "auto" and torch.cuda.is_available())
-    return dataclasses.replace(config, dtype=dtype_for("auto", model_dir, config.kv_cache_memory, on_gpu))
+    return dataclasses.replace(config, dtype=run_plan(model_dir, config, on_gpu)[1])
 
 
 def _token_range(text: str, flag: str) -> tuple[int, int]:

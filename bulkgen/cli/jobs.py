@@ -16,11 +16,11 @@ from tqdm import tqdm
 from bulkgen.cli.options import CONTEXT, JOB_ID, JobCommand, db_option, emit_json, json_option
 from bulkgen.io.rows import INPUT_FORMATS
 from bulkgen.jobspec import build_spec
-from bulkgen.progress import format_duration
+from bulkgen.progress import eta_s, format_duration
 from bulkgen.store import jobs as job_ops
 from bulkgen.store import runs
 from bulkgen.store.db import open_store
-from bulkgen.store.models import FINAL_JOB_STATES
+from bulkgen.store.models import FINAL_JOB_STATES, JobStatus
 from bulkgen.submission import submit_job
 
 
@@ -204,8 +204,8 @@ def _watch(store: Any, job_id: int, interval_s: float, as_json: bool) -> None:
                 errors = job_ops.first_errors(session, job_id, 3)
             c = summary["counts"]
             remaining = c["pending"] + c["running"]
-            if live["requests_per_s"] and remaining and summary["status"] == "running":
-                summary["eta_s"] = round(remaining / live["requests_per_s"], 1)  # at the last minute's pace
+            if live["requests_per_s"] and remaining and summary["status"] == JobStatus.RUNNING:
+                summary["eta_s"] = round(eta_s(remaining, live["requests_per_s"]), 1)  # at the last minute's pace
             summary["recent"] = live
             final = summary["status"] in FINAL_JOB_STATES
             if as_json:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Callable
+from dataclasses import fields
 from typing import Any
 
 import click
@@ -24,40 +26,60 @@ from bulkgen.ray import RayOptions, require_ray, run_on_ray
 from bulkgen.store import jobs as job_ops
 from bulkgen.store import queue as q
 from bulkgen.store.db import Store
-from bulkgen.store.packings import DEFAULT_PACKING, PACKINGS
+from bulkgen.store.packings import PACKINGS
 from bulkgen.worker import Worker, WorkerOptions
+
+
+def worker_options(func: Callable) -> Callable:
+    """The worker's options: each flag's name is its WorkerOptions field's, and its default the field's own."""
+    default = WorkerOptions()
+    options = [
+        click.option("--lease-seconds", type=float, default=default.lease_seconds, show_default=True,
+                     help="A request's lease; a worker that stops heart-beating loses its requests after this."),
+        click.option("--commit-every", type=int, default=default.commit_every, show_default=True,
+                     help="Commit after this many results..."),
+        click.option("--commit-interval", type=float, default=default.commit_interval, show_default=True,
+                     help="...or this many seconds."),
+        click.option("--max-attempts", type=int, default=default.max_attempts, show_default=True,
+                     help="A request abandoned by this many crashed workers fails instead of returning."),
+        click.option("--drain-timeout", type=float, default=default.drain_timeout, show_default=True,
+                     help="On SIGINT/SIGTERM: seconds running requests may take to finish before being released."),
+        click.option("--db-outage-s", type=float, default=default.db_outage_s, show_default=True,
+                     help="How long the database may be unreachable (restarting, failing over, a dropped "
+                          "connection) while the worker keeps generating and holds its results; past it the run "
+                          "stops (0: at once)."),
+        click.option("--stall-s", type=click.FloatRange(min=0, min_open=True), default=default.stall_s,
+                     show_default=True,
+                     help="A worker holding requests that makes no progress (no step, claim or commit) for this "
+                          "long stops (exit 1) and its requests return to the queue; at a quarter of it, one line "
+                          "says what it waits on."),
+        click.option("--sample-every", type=click.FloatRange(min=0.1), default=default.sample_every,
+                     show_default=True, help="Seconds between the run's samples (throughput, running sequences, "
+                                             "KV use) kept for `bulkgen report` and `status --watch`."),
+        click.option("--packing", type=click.Choice(PACKINGS), default=default.packing, show_default=True,
+                     help="Admission order: lpt = most output tokens first; sorted = by prompt length; fifo = as "
+                          "submitted."),
+        click.option("--kv-admission/--no-kv-admission", default=default.kv_admission, show_default=True,
+                     help="Admit a request only if the KV cache can hold it to its end (avoids preemption)."),
+        click.option("--wait", is_flag=True, default=default.wait,
+                     help="Keep waiting for new jobs instead of exiting when the queue is empty."),
+        click.option("--log-every", type=click.FloatRange(min=0), default=default.log_every, show_default=True,
+                     help="Seconds between progress lines when not on a terminal (0: a line every engine step)."),
+        click.option("--progress/--no-progress", default=default.progress, help="Show progress on stderr."),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+# every field of WorkerOptions but the job ids (run's arguments) and two a test or the bench sets
+WORKER_FLAGS = frozenset(f.name for f in fields(WorkerOptions)) - {"job_ids", "poll_s", "max_kept_rows"}
 
 
 @click.command(cls=JobCommand, context_settings=CONTEXT)
 @click.argument("job_ids", type=JOB_ID, nargs=-1)
 @engine_options
-@click.option("--lease-seconds", type=float, default=60.0, show_default=True,
-              help="A request's lease; a worker that stops heart-beating loses its requests after this.")
-@click.option("--commit-every", type=int, default=256, show_default=True, help="Commit after this many results...")
-@click.option("--commit-interval", type=float, default=2.0, show_default=True, help="...or this many seconds.")
-@click.option("--max-attempts", type=int, default=3, show_default=True,
-              help="A request abandoned by this many crashed workers fails instead of returning.")
-@click.option("--drain-timeout", type=float, default=30.0, show_default=True,
-              help="On SIGINT/SIGTERM: seconds running requests may take to finish before being released.")
-@click.option("--db-outage-s", type=float, default=900.0, show_default=True,
-              help="How long the database may be unreachable (restarting, failing over, a dropped connection) "
-                   "while the worker keeps generating and holds its results; past it the run stops (0: at once).")
-@click.option("--stall-s", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True,
-              help="A worker holding requests that makes no progress (no step, claim or commit) for this long "
-                   "stops (exit 1) and its requests return to the queue; at a quarter of it, one line says what "
-                   "it waits on.")
-@click.option("--sample-every", type=click.FloatRange(min=0.1), default=10.0, show_default=True,
-              help="Seconds between the run's samples (throughput, running sequences, KV use) kept for "
-                   "`bulkgen report` and `status --watch`.")
-@click.option("--packing", type=click.Choice(PACKINGS), default=DEFAULT_PACKING, show_default=True,
-              help="Admission order: lpt = most output tokens first; sorted = by prompt length; fifo = as "
-                   "submitted.")
-@click.option("--kv-admission/--no-kv-admission", default=True, show_default=True,
-              help="Admit a request only if the KV cache can hold it to its end (avoids preemption).")
-@click.option("--wait", is_flag=True, help="Keep waiting for new jobs instead of exiting when the queue is empty.")
-@click.option("--log-every", type=click.FloatRange(min=0), default=30.0, show_default=True,
-              help="Seconds between progress lines when not on a terminal (0: a line every engine step).")
-@click.option("--progress/--no-progress", default=True, help="Show progress on stderr.")
+@worker_options
 @click.option("-v", "--verbose", is_flag=True,
               help="Say more on stderr: the CPU, and which path (C or torch) each kernel family took and why.")
 @click.option("--ray", "use_ray", is_flag=True,
@@ -72,13 +94,9 @@ from bulkgen.worker import Worker, WorkerOptions
               help="With --ray: how often Ray restarts a worker whose process died.")
 @json_option
 @db_option
-def run(job_ids: tuple[int, ...], as_json: bool, db_url: str, lease_seconds: float, commit_every: int,
-        commit_interval: float, max_attempts: int, drain_timeout: float, db_outage_s: float, stall_s: float,
-        sample_every: float,
-        packing: str,
-        kv_admission: bool, wait: bool, log_every: float, progress: bool, verbose: bool, use_ray: bool,
-        workers: int | None, ray_address: str | None, gpus_per_worker: float | None, cpus_per_worker: float,
-        max_restarts: int, **engine: Any) -> None:
+def run(job_ids: tuple[int, ...], as_json: bool, db_url: str, verbose: bool, use_ray: bool, workers: int | None,
+        ray_address: str | None, gpus_per_worker: float | None, cpus_per_worker: float, max_restarts: int,
+        **flags: Any) -> None:
     """Run queued jobs (all, or the given ones) until the queue is empty.
 
     Results are committed as they finish: kill the worker at any moment and run it again, and it
@@ -96,12 +114,10 @@ def run(job_ids: tuple[int, ...], as_json: bool, db_url: str, lease_seconds: flo
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     if verbose:
         logging.getLogger("bulkgen").setLevel(logging.INFO)
-    options = WorkerOptions(job_ids=job_ids, lease_s=lease_seconds, commit_rows=commit_every,
-                            commit_interval_s=commit_interval, max_attempts=max_attempts,
-                            drain_timeout_s=drain_timeout, packing=packing, kv_admission=kv_admission, wait=wait,
-                            progress=progress and not as_json, log_every_s=log_every, db_outage_s=db_outage_s,
-                            sample_interval_s=sample_every, stall_s=stall_s)
-    config = engine_config(engine)  # a bad flag is refused before the database is touched
+    worker = {name: flags.pop(name) for name in WORKER_FLAGS}
+    progress = worker["progress"] = worker["progress"] and not as_json
+    config = engine_config(flags)  # a bad flag is refused before the database is touched
+    options = WorkerOptions(job_ids=job_ids, **worker)
     ray_flags = {"--workers": workers, "--ray-address": ray_address, "--gpus-per-worker": gpus_per_worker}
     if not use_ray and any(value is not None for value in ray_flags.values()):
         raise click.UsageError(f"{', '.join(k for k, v in ray_flags.items() if v is not None)} go with --ray")
@@ -114,7 +130,7 @@ def run(job_ids: tuple[int, ...], as_json: bool, db_url: str, lease_seconds: flo
             for job_id in job_ids:
                 job_ops.get_job(session, job_id)
     if use_ray:
-        _run_on_ray(store, db_url, config, options, ray_options, progress and not as_json, as_json)
+        _run_on_ray(store, db_url, config, options, ray_options, progress, as_json)
         return
     summary = Worker(store, config, options).run()
     if as_json:

@@ -1,5 +1,3 @@
-# Whole (over 300 lines): a ragged batch's metadata and the attention paths that read it change together; the C and
-# Triton kernels live in cpu/ and gpu/.
 """Paged attention plugged into Hugging Face models through transformers' attention-function interface.
 
 The runner flattens every scheduled token of every sequence into one ragged batch (batch size 1,
@@ -22,60 +20,22 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from bulkgen.engine.cpu.attention import decode_c, kernel_layout, prefill_c
-from bulkgen.engine.cpu.kernels import Kernels
+from bulkgen.engine.metadata import (
+    ATTENTION_NAME,
+    FULL,
+    AttentionMetadata,
+    CpuMetadata,
+    LayerAttention,
+    MaskSpan,
+    TritonMetadata,
+    causal_mask,
+)
 from bulkgen.errors import ModelError
-
-ATTENTION_NAME = "bulkgen_paged"
-
-
-def k_block_shape(num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
-                  transposed: bool = True) -> tuple[int, ...]:
-    """One block of K. For the CPU kernels, transposed: [num_kv_heads, head_dim / P, block_size, P] (dims
-    outer, rows inner) so that decode attention scores 16 rows per vector; P = 2 for 2-byte types
-    (bfloat16: dims in pairs, the operand of AVX512-BF16's dot-product instruction), else 1. For the Triton
-    kernels, as V: [num_kv_heads, block_size, head_dim]."""
-    if not transposed:
-        return (num_kv_heads, block_size, head_dim)
-    pair = 2 if torch.empty((), dtype=dtype).element_size() == 2 and head_dim % 2 == 0 else 1
-    return (num_kv_heads, head_dim // pair, block_size, pair)
-
-
-@dataclass(frozen=True)
-class LayerAttention:
-    """What one layer's attention computes besides softmax(q·k * scale)·v over the causal context.
-    window > 0: key k is seen from query q only where q - window < k <= q (Hugging Face's sliding-window
-    masks); softcap > 0: each score becomes softcap * tanh(score / softcap) (Gemma 2); sinks [num_heads]:
-    a logit per head that joins the softmax with no value (gpt-oss)."""
-
-    window: int = 0
-    softcap: float = 0.0
-    sinks: torch.Tensor | None = None
-
-    @property
-    def plain(self) -> bool:
-        """Whether torch's fused SDPA computes it (no softcap, no sinks)."""
-        return self.softcap == 0.0 and self.sinks is None
-
-    def c_sinks(self) -> int | None:
-        """The sinks for the C kernels: a float32 [num_heads] pointer (None: no sinks)."""
-        return None if self.sinks is None else self.sinks.data_ptr()
-
-
-FULL = LayerAttention()
-
-
-def causal_mask(start: int, num_tokens: int, window: int, device: torch.device) -> torch.Tensor:
-    """[num_tokens, start + num_tokens] bool: what query rows at positions start.. see of the sequence."""
-    q = torch.arange(start, start + num_tokens, device=device)[:, None]
-    k = torch.arange(start + num_tokens, device=device)[None, :]
-    mask = k <= q
-    return mask & (k > q - window) if window else mask
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
@@ -113,71 +73,6 @@ def gather_k(k_cache: torch.Tensor, blocks: torch.Tensor, rows: torch.Tensor) ->
     return k.reshape(k.shape[0], k.shape[1], -1)
 
 
-@dataclass
-class PrefillChunk:
-    offset: int  # first token of the chunk in the flattened batch
-    num_tokens: int
-    start: int  # position of its first token in the sequence (0 unless part is cached)
-    context_blocks: torch.Tensor | None = None  # [start + num_tokens] block of each position, when start > 0
-    context_offsets: torch.Tensor | None = None  # [start + num_tokens] row within the block
-    mask: torch.Tensor | None = None  # [num_tokens, start + num_tokens] bool, when start > num_tokens
-    block_table: torch.Tensor | None = None  # [num_blocks] int32: the sequence's blocks (for the C kernel)
-    windowed: dict[int, torch.Tensor] = field(default_factory=dict)  # causal_mask by window, built once a step
-
-    def mask_for(self, window: int, device: torch.device) -> torch.Tensor:
-        if window not in self.windowed:
-            self.windowed[window] = causal_mask(self.start, self.num_tokens, window, device)
-        return self.windowed[window]
-
-
-@dataclass(kw_only=True)
-class AttentionMetadata:
-    """What every layer's attention needs for one step (built once per step by the runner, by keyword: each
-    backend sets what it reads)."""
-
-    k_caches: list[torch.Tensor]  # per layer: [num_blocks, *k_block_shape(...)] (K transposed in its block)
-    v_caches: list[torch.Tensor]  # per layer: [num_blocks, num_kv_heads, block_size, head_dim]
-    slots: torch.Tensor  # [num_tokens] int64: block * block_size + row of each new token's K/V
-    slot_blocks: torch.Tensor  # [num_tokens] int64: the block of each new token's K/V
-    slot_offsets: torch.Tensor  # [num_tokens] int64: its row within the block
-    num_decode_tokens: int  # the first tokens of the batch, one per decoding sequence
-    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] (int32 for the kernel)
-    decode_context_lens: torch.Tensor  # [num_decodes] int32, tokens to attend to (the new one included)
-    decode_max_context_len: int
-    prefills: list[PrefillChunk] = field(default_factory=list)
-    windows: tuple[int, ...] = ()  # per layer: its sliding window (0, or none given: the whole context)
-    calls: list[int] | None = None  # the layers whose attention came through paged_attention_forward (a probe)
-    mask_windows: dict[int, int] | None = None  # per layer, the window its own mask gives (a probe: MaskSpan)
-    # The C kernels for decode attention, prefill attention and the KV write (None: torch); each family's
-    # path is chosen per machine (cpu/paths.py)
-    decode_kernel: Kernels | None = None
-    prefill_kernel: Kernels | None = None
-    write_kernel: Kernels | None = None
-    num_threads: int = 1
-    triton: TritonStep | None = None  # set where attention and the KV write run in Triton (a GPU)
-    # Where layers hold their K/V in groups (block_manager.KVLayout): each group's slots and block tables, and each
-    # layer's group; a layer's attention reads its own group's metadata
-    groups: list[AttentionMetadata] | None = None
-    layer_groups: tuple[int, ...] = ()
-
-
-@dataclass
-class TritonStep:
-    """The Triton kernels' view of a step, int32 tensors on the device (runner: one copy from the host)."""
-
-    slots: torch.Tensor  # [num_tokens]
-    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks]
-    decode_context_lens: torch.Tensor  # [num_decodes]
-    decode_splits: int  # splits of each decoding sequence's blocks (flash-decoding)
-    decode_params: torch.Tensor  # [2] the tables' row stride, blocks a split (gpu/attention.decode_params)
-    tile_chunks: torch.Tensor  # [num_tiles] the prefill chunk of each tile of query rows
-    tile_rows: torch.Tensor  # [num_tiles] its first row within the chunk
-    chunk_offsets: torch.Tensor  # [num_chunks] first token of each chunk in the flattened batch
-    chunk_lens: torch.Tensor  # [num_chunks]
-    chunk_starts: torch.Tensor  # [num_chunks] tokens of its sequence cached before it
-    chunk_block_tables: torch.Tensor  # [num_chunks, max_blocks]
-
-
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                             value: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float | None = None,
                             dropout: float = 0.0, **kwargs) -> tuple[torch.Tensor, None]:
@@ -190,8 +85,8 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     window = meta.windows[layer] if meta.windows else 0
     if isinstance(attention_mask, MaskSpan):  # the runner's probe: the layer's own mask says
         window = attention_mask.window
-        if meta.mask_windows is not None:
-            meta.mask_windows[layer] = window
+        if meta.probe is not None:
+            meta.probe.windows[layer] = window
     _check_module(module, layer, key, value, meta, kwargs, window)
     sinks = kwargs.get("s_aux")
     spec = LayerAttention(window=window, softcap=float(kwargs.get("softcap") or 0.0),
@@ -221,8 +116,8 @@ def _check_module(module: torch.nn.Module, layer: int, key: torch.Tensor, value:
     if asked is not None and asked != window:
         raise ModelError(f"{name} (layer {layer}) asks its attention for a sliding window of {asked}, where its mask "
                          f"gives {window or 'none'}: bulkgen cannot tell which the model means")
-    if meta.calls is not None:
-        meta.calls.append(layer)
+    if meta.probe is not None:
+        meta.probe.calls.append(layer)
 
 
 def attend(meta: AttentionMetadata, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -233,11 +128,10 @@ def attend(meta: AttentionMetadata, layer: int, query: torch.Tensor, key: torch.
     its window from meta.windows, nothing else)."""
     if spec is None:
         spec = LayerAttention(window=meta.windows[layer]) if meta.windows and meta.windows[layer] else FULL
-    if meta.layer_groups:
-        meta = meta.groups[meta.layer_groups[layer]]
+    meta = meta.for_layer(layer)
     k_cache, v_cache = meta.k_caches[layer], meta.v_caches[layer]
-    if meta.triton is not None:
-        return _attend_triton(meta.triton, query, key, value, k_cache, v_cache, scale, spec)
+    if isinstance(meta, TritonMetadata):
+        return _attend_triton(meta, query, key, value, k_cache, v_cache, scale, spec)
     num_tokens, num_heads, head_dim = query.shape
     write_kv(meta, key, value, k_cache, v_cache)
 
@@ -255,7 +149,7 @@ def attend(meta: AttentionMetadata, layer: int, query: torch.Tensor, key: torch.
         if meta.prefill_kernel is not None and chunk.block_table is not None and kernel_layout(k_cache):
             # The query rows as decodes over the sequence's blocks (its K/V were just written), causal by
             # context length, in tiles of 4 rows (1.4-1.8x torch's flash kernel in float32 on AVX-512 CPUs;
-            # whether it runs on this one is measured, cpu/paths.py).
+            # whether it runs on this one is measured, paths.py).
             out[span] = prefill_c(meta, query[span], k_cache, v_cache, chunk, scale, spec)
             continue
         q = query[span].transpose(0, 1).unsqueeze(0)  # [1, num_heads, n, head_dim]: 4-D takes torch's fused kernel
@@ -286,7 +180,7 @@ def attend(meta: AttentionMetadata, layer: int, query: torch.Tensor, key: torch.
     return out
 
 
-def write_kv(meta: AttentionMetadata, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+def write_kv(meta: CpuMetadata, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
              v_cache: torch.Tensor) -> None:
     """Store the step's new keys and values ([num_tokens, num_kv_heads, head_dim] each) in their slots."""
     kernel = meta.write_kernel
@@ -306,7 +200,7 @@ def write_kv(meta: AttentionMetadata, key: torch.Tensor, value: torch.Tensor, k_
     v_cache[meta.slot_blocks, :, meta.slot_offsets] = value
 
 
-def _attend_triton(step: TritonStep, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+def _attend_triton(step: TritonMetadata, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, spec: LayerAttention) -> torch.Tensor:
     """The step's KV write, decode and prefill attention in three launches (gpu/attention.py)."""
     from bulkgen.engine.gpu import attention as triton_attention  # here: triton is optional
@@ -346,50 +240,6 @@ def decode_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         mask &= positions >= lens - spec.window
     o = sdpa(q.unsqueeze(2), k, v, mask[:, None, None, :], scale, spec)  # mask [seqs, 1, 1, ctx]
     return o[:, :, 0]  # [num_seqs, num_heads, head_dim]
-
-
-@dataclass(frozen=True)
-class MaskSpan:
-    """What a layer's own mask lets a query see, as the model's code builds it (read by `mask_span` while the
-    runner probes the model): the last `window` positions up to its own (0: all of them)."""
-
-    window: int
-
-
-def mask_span(batch_size: int, cache_position: torch.Tensor | None = None, kv_length: int = 0, kv_offset: int = 0,
-              mask_function: object = None, attention_mask: torch.Tensor | None = None, **kwargs) -> object:
-    """transformers' mask interface, registered only while the runner probes a model at load: instead of a
-    mask, the span its mask function gives a query far into a sequence, which then reaches each layer's
-    attention call as its attention_mask. So each layer's window is read from what the model's own code
-    builds, not from a guess at what its config means. A mask that is not a causal window (bidirectional,
-    chunked) is refused."""
-    far = _PROBE_POSITION
-    kv = torch.arange(far + 2)
-    seen = mask_function(torch.tensor(0), torch.tensor(0), torch.tensor(far), kv)
-    seen = torch.as_tensor(seen, dtype=torch.bool).expand(kv.shape)
-    if bool(seen[far + 1]):
-        raise ModelError("the model's mask lets a token see the tokens after it (an encoder's or a prefix-LM's "
-                         "attention): bulkgen generates with causal attention only")
-    first = int(seen[:far + 1].nonzero()[0]) if bool(seen[:far + 1].any()) else far + 1
-    if first > far or not bool(seen[first:far + 1].all()):
-        raise ModelError("the model's mask is not a causal window over the last tokens (chunked attention, say): "
-                         "bulkgen's attention computes full and sliding-window attention only")
-    return MaskSpan(window=0 if first == 0 else far - first + 1)
-
-
-_PROBE_POSITION = 2**20  # a window of a million tokens or more reads as the whole context
-
-
-@contextmanager
-def reading_masks() -> Iterator[None]:
-    """While the runner probes a model: transformers builds each mask through `mask_span` (MaskSpan values)."""
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-
-    AttentionMaskInterface.register(ATTENTION_NAME, mask_span)
-    try:
-        yield
-    finally:  # unregistered, transformers builds no mask for bulkgen's attention (it needs none)
-        ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.pop(ATTENTION_NAME, None)
 
 
 # The step's metadata, set by the runner around the model's forward on its own thread: not passed as a keyword

@@ -15,7 +15,8 @@ from bulkgen.engine import sampler
 from bulkgen.engine.block_manager import BlockManager
 from bulkgen.engine.detokenizer import IncrementalDetokenizer, drop_incomplete_character
 from bulkgen.engine.grammar import Constraints
-from bulkgen.engine.protocol import EngineStats, RequestOutput, StepRecord
+from bulkgen.engine.loading import plan as plan_run
+from bulkgen.engine.protocol import EngineStats, FinishReason, RequestOutput, StepRecord
 from bulkgen.engine.runner import ModelRunner
 from bulkgen.engine.scheduler import AdmissionPolicy, Scheduler, SchedulerOutput
 from bulkgen.engine.sequence import Sequence, SequenceStatus
@@ -29,9 +30,9 @@ class Engine:
                  admission: Callable[[int, int], AdmissionPolicy] | None = None) -> None:
         """admission: builds the admission policy from the KV cache's (num_blocks, block_size, group_windows), e.g.
         packing.admission_for(packing); None admits whatever has blocks now."""
-        self.config = config or EngineConfig()
-        self.runner = ModelRunner(model, self.config)
-        self.config = self.runner.config  # its dtype resolved (auto: what fits)
+        plan = plan_run(model, config or EngineConfig())  # dtype and quantization resolved (auto: what fits)
+        self.config = plan.config
+        self.runner = ModelRunner(model, plan)
         hf_config = self.runner.model.config
         self.tokenizer = tokenizer or load_tokenizer(model if not isinstance(model, torch.nn.Module)
                                                      else hf_config._name_or_path)
@@ -211,7 +212,7 @@ class Engine:
         end = seq.finish_time or time.monotonic()
         return RequestOutput(
             request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids, output_token_ids=seq.output_token_ids,
-            text=text, finish_reason=seq.finish_reason or "abort", num_cached_tokens=seq.num_cached_tokens,
+            text=text, finish_reason=seq.finish_reason or FinishReason.ABORT, num_cached_tokens=seq.num_cached_tokens,
             num_preemptions=seq.num_preemptions, logprobs=seq.logprobs, error=error,
             time_to_first_token_s=(seq.first_token_time - seq.arrival_time) if seq.first_token_time else None,
             latency_s=end - seq.arrival_time,

@@ -18,9 +18,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bulkgen.engine import attention
+from bulkgen.engine.attention import register
 from bulkgen.engine.blocks import BLOCK_VALUES, FORMATS, Blocks, GGUFLinear, decode
 from bulkgen.engine.cpu.kernels import Kernels
+from bulkgen.engine.metadata import ATTENTION_NAME
 from bulkgen.errors import ModelError
 from bulkgen.gguf_info import FLOAT_TYPES
 from bulkgen.model import HF_LOAD_LOCK
@@ -43,10 +44,10 @@ def load_gguf(gguf: Path, config_dir: Path, dtype: torch.dtype, kernel: Kernels 
     if processor_class not in (TensorProcessor, LlamaTensorProcessor):  # they reshape more than rows
         raise ModelError(f"--quantization gguf does not keep the blocks of {arch} models yet; "
                          "use --quantization none")
-    attention.register()
+    register()
     config = AutoConfig.from_pretrained(config_dir)
     with HF_LOAD_LOCK, no_init_weights():
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention.ATTENTION_NAME)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTENTION_NAME)
     processor = processor_class(config=config.to_dict())
     names = _tensor_names(model, arch, config.num_hidden_layers)
     modules = dict(model.named_modules())

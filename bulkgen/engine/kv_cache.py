@@ -8,7 +8,7 @@ attend alike, every layer; else `group_size` layers of one kind), a layer at its
 
 Head-major blocks keep one head's part of a block contiguous, which is how decode attention reads them;
 for the CPU kernels K is stored transposed within its block ([head_dim, row], dims in pairs for 2-byte
-types) so that decode scores 16 tokens per vector (attention.k_block_shape); Triton reads K as V.
+types) so that decode scores 16 tokens per vector (k_block_shape); Triton reads K as V.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import ctypes
 import torch
 
 from bulkgen.config import EngineConfig, format_size
-from bulkgen.engine import attention
 from bulkgen.engine.block_manager import KVLayout
 from bulkgen.engine.memory import CPU_HEADROOM_BYTES, available_memory
+from bulkgen.engine.metadata import k_block_shape
 from bulkgen.errors import ConfigError
 from bulkgen.model import ModelShape
 
@@ -64,7 +64,7 @@ class KVCache:
         places = (layout.group_size, num_cache_blocks, shape.num_kv_heads, block_size, shape.head_dim)
         self.tensor = zeros_on_huge_pages((2, *places), dtype, device)
         self.num_bytes = self.tensor.numel() * self.tensor.element_size()
-        k_block = attention.k_block_shape(shape.num_kv_heads, shape.head_dim, block_size, dtype,
+        k_block = k_block_shape(shape.num_kv_heads, shape.head_dim, block_size, dtype,
                                           transposed=transposed_k)
         k_places = self.tensor[0].view(*places[:2], *k_block)
         self.k_caches = [k_places[place] for place in layout.layer_places]  # one a layer

@@ -16,7 +16,7 @@ from bulkgen.engine.cpu.kernels import Kernels
 
 class Linear:
     """y = x W^T + b. On CPU, given the C kernels (`kernel`; whether to is measured per machine, see
-    cpu/paths.py): float32, and bfloat16 where the CPU has AVX512-BF16, through our C GEMM (weights packed
+    paths.py): float32, and bfloat16 where the CPU has AVX512-BF16, through our C GEMM (weights packed
     once into its panels; 1.3-2x oneDNN for the few rows of a decode step); otherwise through oneDNN with
     the weight reordered once (a third faster than nn.Linear's MKL path) where oneDNN has the dtype;
     elsewhere torch's linear."""
@@ -148,15 +148,6 @@ def pack_linears(model: torch.nn.Module) -> int:
     for parent, name, child in swaps:
         setattr(parent, name, PackedLinear(child))
     return len(swaps)
-
-
-def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Hugging Face's LlamaRMSNorm.forward."""
-    dtype = x.dtype
-    h = x.to(torch.float32)
-    variance = h.pow(2).mean(-1, keepdim=True)
-    h = h * torch.rsqrt(variance + eps)
-    return weight * h.to(dtype)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

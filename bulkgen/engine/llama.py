@@ -24,6 +24,7 @@ from bulkgen.engine import attention, blocks
 from bulkgen.engine.blocks import GGUFLinear
 from bulkgen.engine.cpu.kernels import Kernels
 from bulkgen.engine.layers import GatedLinear, Linear, fused, fused_weight, rotate
+from bulkgen.engine.metadata import AttentionMetadata
 from bulkgen.engine.quant import Int8GatedLinear, Int8Linear, SiluMulAfter
 
 FAMILY = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
@@ -103,7 +104,7 @@ class LlamaForward:
         model.lm_head = torch.nn.Identity()  # its (packed) copy is ours now; tied embeddings keep theirs
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
-                 meta: attention.AttentionMetadata) -> torch.Tensor:
+                 meta: AttentionMetadata) -> torch.Tensor:
         ops = self.ops
         h = self.embed(input_ids)  # [T, hidden]
         cos, sin = self.rotary(h, positions[None])

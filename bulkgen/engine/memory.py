@@ -16,10 +16,10 @@ from pathlib import Path
 
 import psutil
 
-from bulkgen.config import format_size, parse_size
+from bulkgen.config import EngineConfig, format_size, parse_size
 from bulkgen.engine.cpu.machine import native_dtype_problem
 from bulkgen.errors import ConfigError
-from bulkgen.gguf_info import GGUFInfo
+from bulkgen.gguf_info import GGUFInfo, gguf_info
 from bulkgen.model import DTYPE_BYTES, ModelShape, estimated_weight_count, read_config, weight_count
 
 MEMORY_LIMIT_ENV = "BULKGEN_MEMORY_LIMIT"  # e.g. 16GiB: count no more than this as free (a machine shared with others)
@@ -122,3 +122,32 @@ def dtype_for(requested: str, model_dir: Path, kv_bytes: int | None, on_gpu: boo
         num_weights = estimated_weight_count(ModelShape.of(read_config(model_dir)))
     return choose_dtype(requested, num_weights, kv_bytes, available_memory(), native_dtypes(), on_gpu,
                         Path(model_dir).name)
+
+
+def run_plan(model: Path, config: EngineConfig, on_gpu: bool) -> tuple[str, str, GGUFInfo | None]:
+    """--quantization and --dtype as a model (a directory, or one converted from a GGUF file) runs with them, and
+    its GGUF file's facts where it came from one; the one rule of the runner (engine/loading.py) and the bench.
+    quantization auto: none (the exact path) where the dequantized weights fit in memory, else the file's blocks;
+    dtype auto: what fits (dtype_for; with the blocks kept, the weights that are not: gguf_dtype). Checked before
+    anything loads."""
+    gguf = gguf_info(model)
+    requested = config.quantization
+    if requested == "gguf" and gguf is None:
+        raise ConfigError(f"--quantization gguf runs a GGUF file's own blocks, and {model.name} did not come from "
+                          "one: give a .gguf file, the default model, or a hub name with :QUANT (or use "
+                          "--quantization int8)")
+    if gguf is not None and not gguf.weights and requested in ("none", "int8"):
+        raise ConfigError(f"{gguf.gguf.name} dequantized does not fit in this machine's memory, so only its blocks "
+                          f"were kept: run it with --quantization gguf (or auto)")
+    quantization = requested if requested != "auto" else "none" if gguf is None else None
+    if quantization is None:  # auto, from a GGUF file: exact where it fits
+        quantization = "gguf"
+        if gguf.weights:
+            try:
+                dtype_for(config.dtype, model, config.kv_cache_memory, on_gpu)
+                quantization = "none"
+            except ConfigError:
+                pass
+    if quantization == "gguf":
+        return quantization, gguf_dtype(config.dtype, gguf, config.kv_cache_memory, on_gpu, gguf.gguf.name), gguf
+    return quantization, dtype_for(config.dtype, model, config.kv_cache_memory, on_gpu), gguf

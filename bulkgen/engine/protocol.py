@@ -5,9 +5,20 @@ implementation (and bench/queue_capacity.FixedEngine a model-free one); no torch
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, Protocol
 
 from bulkgen.config import SamplingParams
+
+
+class FinishReason(StrEnum):
+    """Why a request's output ended, as results, exports and reports spell it (a str: stored as its value)."""
+
+    STOP = "stop"  # a stop string or stop token
+    EOS = "eos"  # the model's end of sequence
+    LENGTH = "length"  # max_new_tokens, or the model's context
+    ABORT = "abort"  # released unfinished (a drain, a cancel): no result is written
+    ERROR = "error"  # failed (non-finite logits, a refused prompt)
 
 
 @dataclass
@@ -16,7 +27,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     text: str
-    finish_reason: str  # stop | eos | length | abort | error
+    finish_reason: str  # a FinishReason
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     logprobs: list[Any] | None = None

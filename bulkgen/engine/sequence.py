@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bulkgen.config import SamplingParams
+from bulkgen.engine.protocol import FinishReason
 
 
 class SequenceStatus(enum.IntEnum):
@@ -27,11 +28,11 @@ class SequenceStatus(enum.IntEnum):
 
 
 FINISH_REASONS = {
-    SequenceStatus.FINISHED_STOPPED: "stop",
-    SequenceStatus.FINISHED_EOS: "eos",
-    SequenceStatus.FINISHED_LENGTH: "length",
-    SequenceStatus.FINISHED_ABORTED: "abort",
-    SequenceStatus.FINISHED_ERROR: "error",
+    SequenceStatus.FINISHED_STOPPED: FinishReason.STOP,
+    SequenceStatus.FINISHED_EOS: FinishReason.EOS,
+    SequenceStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    SequenceStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    SequenceStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
 
 

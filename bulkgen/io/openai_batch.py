@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from bulkgen.config import SamplingParams, request_sampling
+from bulkgen.engine.protocol import FinishReason
 from bulkgen.errors import InputError
 
 CHAT_URL = "/v1/chat/completions"
@@ -27,7 +28,8 @@ COMPLETIONS_URL = "/v1/completions"
 URLS = (CHAT_URL, COMPLETIONS_URL)
 REQUIRED = ("custom_id", "method", "url", "body")
 LINES_PER_BATCH = 1024
-FINISH_REASONS = {"stop": "stop", "eos": "stop", "length": "length"}  # ours -> OpenAI's
+# ours -> OpenAI's
+FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.EOS: "stop", FinishReason.LENGTH: "length"}
 # body keys read; others (user, metadata, store, ...) change nothing here and are ignored, as OpenAI ignores
 # what does not apply to a batch
 IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls", "stream_options",

@@ -20,13 +20,14 @@ from typing import Any
 import numpy as np
 from sqlalchemy.orm import Session
 
+from bulkgen.engine.protocol import FinishReason
 from bulkgen.errors import NotFoundError
 from bulkgen.store import jobs as job_ops
 from bulkgen.store import queue as q
 from bulkgen.store import report as reads
 from bulkgen.store import runs
 from bulkgen.store.db import Store
-from bulkgen.store.models import FINAL_JOB_STATES, RequestState, iso_utc, utcnow
+from bulkgen.store.models import FINAL_JOB_STATES, RequestState, WorkerStatus, iso_utc, utcnow
 
 LENGTH_WARNING_SHARE = 0.1  # more than this share cut by max_new_tokens: the page says "give the budget room"
 NUM_EXAMPLES = 5
@@ -101,9 +102,9 @@ def _runs(session: Session, job_id: int) -> list[dict[str, Any]]:
     """Each worker that worked on the job: when, how it ended, what it committed, what it ran with."""
     out = []
     for worker, num_committed, num_tokens in runs.job_workers(session, job_id):
-        if worker.status == "stopped":
+        if worker.status == WorkerStatus.STOPPED:
             ended = "stopped"
-        elif worker.status == "dead" or q.is_gone(worker.hostname, worker.pid) or \
+        elif worker.status == WorkerStatus.DEAD or q.is_gone(worker.hostname, worker.pid) or \
                 (utcnow() - worker.heartbeat_at).total_seconds() > LOST_AFTER_S:
             ended = f"lost: no heartbeat since {iso_utc(worker.heartbeat_at)} (killed, or its machine went away)"
         else:
@@ -256,15 +257,15 @@ def finish_reasons(outcomes: list[Any], asked_for_length: bool = False) -> dict[
         if o.finish_reason is not None:
             counts[o.finish_reason] += 1
         elif o.state == RequestState.FAILED.value:
-            counts["error"] += 1
+            counts[FinishReason.ERROR] += 1
         else:
             unfinished += 1
     finished = sum(counts.values())
     shares = {reason: round(n / finished, 4) for reason, n in counts.items()} if finished else {}
-    completed = finished - counts.get("error", 0)
-    length_share = counts.get("length", 0) / completed if completed else 0.0
-    warning = (f"{counts['length']:,} of {completed:,} outputs ({length_share:.0%}) were cut by max_new_tokens: "
-               "give the budget room (--max-new-tokens)") \
+    completed = finished - counts.get(FinishReason.ERROR, 0)
+    length_share = counts.get(FinishReason.LENGTH, 0) / completed if completed else 0.0
+    warning = (f"{counts[FinishReason.LENGTH]:,} of {completed:,} outputs ({length_share:.0%}) were cut by "
+               "max_new_tokens: give the budget room (--max-new-tokens)") \
         if length_share > LENGTH_WARNING_SHARE and not asked_for_length else None
     return {"counts": dict(sorted(counts.items())), "shares": dict(sorted(shares.items())), "num_finished": finished,
             "num_unfinished": unfinished, "length_share": round(length_share, 4), "warning": warning}
@@ -307,7 +308,7 @@ def schema_validity(session: Session, job_id: int, job_schema: str | None, schem
             if schema is None:
                 continue
             num_outputs += 1
-            if finish_reason == "length":
+            if finish_reason == FinishReason.LENGTH:
                 continue
             num_complete += 1
             problem = _schema_problem(text, schema, validators, jsonschema)

@@ -7,10 +7,12 @@ import io
 from datetime import datetime, timedelta
 from typing import Any
 
+from bulkgen.engine.protocol import FinishReason
 from bulkgen.errors import ConfigError
 
 WIDTH_IN, HEIGHT_IN = 7.5, 2.8
-REASON_COLORS = {"stop": "#4c956c", "eos": "#2c6e49", "length": "#f4a259", "error": "#bc4b51"}
+REASON_COLORS = {FinishReason.STOP: "#4c956c", FinishReason.EOS: "#2c6e49", FinishReason.LENGTH: "#f4a259",
+                 FinishReason.ERROR: "#bc4b51"}
 
 
 def _matplotlib() -> Any:

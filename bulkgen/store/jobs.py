@@ -9,6 +9,7 @@ from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.orm import Session
 
 from bulkgen.errors import ConfigError, NotFoundError
+from bulkgen.progress import eta_s
 from bulkgen.store.models import (
     REQUEST_STATES,
     Job,
@@ -185,7 +186,8 @@ def _summary(job: Job, counts: dict[str, int], tokens: tuple[int, int]) -> dict[
     elapsed = (end - job.started_at).total_seconds() if job.started_at else None
     output_rate = tokens[1] / elapsed if elapsed and elapsed > 0 else None
     remaining = counts[RequestState.PENDING.value] + counts[RequestState.RUNNING.value]
-    eta = elapsed / done * remaining if elapsed and done and remaining and job.status == "running" else None
+    eta = eta_s(remaining, done / elapsed) if elapsed and done and remaining and job.status == JobStatus.RUNNING \
+        else None
     return {
         "id": job.id,
         "name": job.name,

@@ -44,6 +44,12 @@ class JobStatus(enum.StrEnum):
     CANCELLED = "cancelled"
 
 
+class WorkerStatus(enum.StrEnum):
+    RUNNING = "running"
+    STOPPED = "stopped"  # ended its run
+    DEAD = "dead"  # its process is gone (found by a worker of the same host) or its heartbeat stopped
+
+
 class RequestState(enum.StrEnum):
     PENDING = "pending"
     RUNNING = "running"  # leased by a worker
@@ -159,7 +165,7 @@ class Worker(Base):
     id: Mapped[str] = mapped_column(String(200), primary_key=True)  # host:pid:random
     hostname: Mapped[str] = mapped_column(String(200))
     pid: Mapped[int] = mapped_column(Integer)
-    status: Mapped[str] = mapped_column(String(16), default="running")  # running | stopped
+    status: Mapped[str] = mapped_column(String(16), default=WorkerStatus.RUNNING.value)  # a WorkerStatus
     started_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
     heartbeat_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
     # The last progress it made (a step, a claim, a commit), as its heartbeat last said: a worker alive and holding

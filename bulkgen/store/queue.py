@@ -29,6 +29,7 @@ from bulkgen.store.models import (
     RequestState,
     Result,
     Worker,
+    WorkerStatus,
     utcnow,
 )
 from bulkgen.store.packings import DEFAULT_PACKING, SORT_KEYS
@@ -53,8 +54,8 @@ class ClaimedRequest:
 
 def register_worker(session: Session, worker_id: str) -> None:
     now = utcnow()
-    session.merge(Worker(id=worker_id, hostname=socket.gethostname(), pid=os.getpid(), status="running",
-                         started_at=now, heartbeat_at=now, progress_at=now))
+    session.merge(Worker(id=worker_id, hostname=socket.gethostname(), pid=os.getpid(),
+                         status=WorkerStatus.RUNNING.value, started_at=now, heartbeat_at=now, progress_at=now))
 
 
 def heartbeat(session: Session, worker_id: str, progress_at: datetime | None) -> None:
@@ -100,7 +101,8 @@ def held_elsewhere(session: Session, worker_id: str, job_ids: list[int]) -> dict
 
 def stop_worker(session: Session, worker_id: str, num_completed: int, num_output_tokens: int) -> None:
     session.execute(update(Worker).where(Worker.id == worker_id).values(
-        status="stopped", heartbeat_at=utcnow(), num_completed=num_completed, num_output_tokens=num_output_tokens))
+        status=WorkerStatus.STOPPED.value, heartbeat_at=utcnow(), num_completed=num_completed,
+        num_output_tokens=num_output_tokens))
 
 
 def runnable_jobs(session: Session, job_ids: list[int] | None = None) -> list[Job]:
@@ -141,10 +143,10 @@ def dead_local_workers(session: Session) -> list[str]:
     """Workers on this host whose process is gone: their leases need not wait to expire."""
     host = socket.gethostname()
     running = session.execute(select(Worker.id, Worker.pid).where(Worker.hostname == host,
-                                                                  Worker.status == "running")).all()
+                                                                  Worker.status == WorkerStatus.RUNNING.value)).all()
     dead = [worker_id for worker_id, pid in running if pid != os.getpid() and not _pid_alive(pid)]
     if dead:
-        session.execute(update(Worker).where(Worker.id.in_(dead)).values(status="dead"))
+        session.execute(update(Worker).where(Worker.id.in_(dead)).values(status=WorkerStatus.DEAD.value))
     return dead
 
 
@@ -281,7 +283,7 @@ def queue_shape(session: Session, job_ids: list[int], lease_s: float, enough_per
                                                         Request.state == RequestState.RUNNING.value))
     holds = select(Request.id).where(Request.lease_owner == Worker.id, Request.state == RequestState.RUNNING.value)
     live = session.scalar(select(func.count()).select_from(Worker).where(
-        Worker.status == "running", Worker.heartbeat_at >= utcnow() - timedelta(seconds=lease_s),
+        Worker.status == WorkerStatus.RUNNING.value, Worker.heartbeat_at >= utcnow() - timedelta(seconds=lease_s),
         ~holds.exists() | holds.where(Request.job_id.in_(job_ids)).exists()))
     cap = max(int(live or 0), 1) * enough_per_worker
     pending_rows = select(Request.num_prompt_tokens, Request.max_new_tokens).where(

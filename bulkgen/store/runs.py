@@ -10,7 +10,7 @@ from sqlalchemy import func, insert, select, update
 from sqlalchemy.orm import Session
 
 from bulkgen.store.jobs import describe_jobs, num_retryable
-from bulkgen.store.models import Job, Request, RequestState, Result, RunSample, Worker, iso_utc, utcnow
+from bulkgen.store.models import Job, Request, RequestState, Result, RunSample, Worker, WorkerStatus, iso_utc, utcnow
 from bulkgen.store.queue import is_gone
 
 STALLED_SHARE = 0.25  # of a worker's --stall-s without progress while holding requests: shown as stalled (its
@@ -82,7 +82,7 @@ def lease_holders(session: Session, job_id: int) -> list[dict[str, Any]]:
         settings = (worker.settings if worker else None) or {}
         lease_s, stall_s = settings.get("lease_s", 60.0), settings.get("stall_s", DEFAULT_STALL_S)
         state = "working"
-        if worker is None or worker.status == "dead" or is_gone(worker.hostname, worker.pid) or \
+        if worker is None or worker.status == WorkerStatus.DEAD or is_gone(worker.hostname, worker.pid) or \
                 (now - worker.heartbeat_at).total_seconds() > lease_s:
             state = "gone"
         elif worker.progress_at is not None and (now - worker.progress_at).total_seconds() > STALLED_SHARE * stall_s:

@@ -1,18 +1,14 @@
 """Paged attention in our C kernels (csrc/paged_attention.c): decode rows over their blocks in place, and a
 prefill chunk's rows in tiles that share each K/V block load. engine/attention.attend calls these where
-cpu/paths.py chose C for the family; the torch path there is their reference.
+paths.py chose C for the family; the torch path there is their reference.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from bulkgen.engine.cpu.kernels import Kernels
-
-if TYPE_CHECKING:  # the metadata's types only: attention.py imports this module
-    from bulkgen.engine.attention import AttentionMetadata, LayerAttention, PrefillChunk
+from bulkgen.engine.metadata import CpuMetadata, LayerAttention, PrefillChunk
 
 
 def kernel_layout(k_cache: torch.Tensor) -> bool:
@@ -20,7 +16,7 @@ def kernel_layout(k_cache: torch.Tensor) -> bool:
     return k_cache.shape[-1] * k_cache.element_size() == 4
 
 
-def decode_c(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+def decode_c(meta: CpuMetadata, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              scale: float, layer: LayerAttention) -> torch.Tensor:
     """Decode attention of the step's decoding sequences (q [num_decodes, num_heads, head_dim]) in C."""
     tables = meta.decode_block_tables
@@ -28,7 +24,7 @@ def decode_c(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor, v_
                     meta.decode_context_lens, meta.decode_max_context_len, scale, layer)
 
 
-def prefill_c(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+def prefill_c(meta: CpuMetadata, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
               chunk: PrefillChunk, scale: float, layer: LayerAttention) -> torch.Tensor:
     """A prefill chunk's attention in C: on AMX tiles where they apply (bfloat16, plain attention), else rows
     in tiles sharing each K/V block load where the vectorised kernel applies, else row by row (each row a
@@ -67,7 +63,7 @@ def prefill_c(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor, v
     return out.to(q.dtype)
 
 
-def _paged_c(kernel: Kernels, meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor,
+def _paged_c(kernel: Kernels, meta: CpuMetadata, q: torch.Tensor, k_cache: torch.Tensor,
              v_cache: torch.Tensor, tables: torch.Tensor, table_stride: int, context_lens: torch.Tensor,
              max_context_len: int, scale: float, layer: LayerAttention) -> torch.Tensor:
     """The C kernel: query row i ([rows, num_heads, head_dim]) attends to the first context_lens[i]

@@ -6,7 +6,7 @@ It needs only a C compiler with OpenMP (gcc), no torch headers, so it builds in 
 library is cached under a key of its sources, its flags and this CPU's flags, so a kernel built for one
 CPU is never loaded on another; and it checks on load that this CPU runs every extension it was built
 for. Where no compiler is found the engine falls back to pure torch, slower but identical in results.
-Whether each kernel family then runs in C or torch is decided per machine (cpu/paths.py).
+Whether each kernel family then runs in C or torch is decided per machine (paths.py).
 """
 
 from __future__ import annotations

@@ -10,7 +10,6 @@ import torch
 import torch.nn.functional as F
 
 from bulkgen.engine.cpu.kernels import Kernels
-from bulkgen.engine.layers import rms_norm_torch
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # the dtypes the C kernels take, as they number them
 
@@ -23,7 +22,7 @@ class Ops:
     def __init__(self, kernel: Kernels | None, dtype: torch.dtype, sampler: Kernels | None = None) -> None:
         self.kernel = kernel if dtype in DTYPE_CODES else None  # for norms and activations in the model's dtype
         self.argmax_kernel = kernel
-        self.sampler_kernel = sampler  # the sampler family's (cpu/paths.py): candidates and grammar masks
+        self.sampler_kernel = sampler  # the sampler family's (paths.py): candidates and grammar masks
         self.dtype_code = DTYPE_CODES.get(dtype)  # None: no C kernel takes it
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
@@ -107,3 +106,12 @@ class Ops:
             rows_index=None if index is None else index.data_ptr(), mask=mask.data_ptr(), words=mask.shape[1],
             num_threads=torch.get_num_threads())
         return True
+
+
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Hugging Face's LlamaRMSNorm.forward."""
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    variance = h.pow(2).mean(-1, keepdim=True)
+    h = h * torch.rsqrt(variance + eps)
+    return weight * h.to(dtype)

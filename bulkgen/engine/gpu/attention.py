@@ -16,7 +16,7 @@ the sequence's blocks through its block table up to the tile's last position, ca
 chunk's own K/V (written just before) and whatever was cached before it (chunked prefill, prefix hits,
 recompute) are read alike.
 
-Each layer's own attention (attention.LayerAttention): a sliding window skips the blocks before it and masks
+Each layer's own attention (metadata.LayerAttention): a sliding window skips the blocks before it and masks
 the positions it leaves out; softcapping bounds the scores (softcap * tanh(score / softcap)); sinks join
 each head's softmax as a logit with no value, once, where its max and sum are final.
 
@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from bulkgen.engine.attention import FULL, LayerAttention
+from bulkgen.engine.metadata import FULL, LayerAttention
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # as triton reads it
 MIN_DOT = 16  # tensor-core dots need 16 rows

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from bulkgen.engine.attention import AttentionMetadata, TritonStep
 from bulkgen.engine.gpu import attention as triton_attention
 from bulkgen.engine.gpu.step import ALIGN
+from bulkgen.engine.metadata import TritonMetadata
 
 
 def buckets(max_num_seqs: int) -> list[int]:
@@ -40,7 +40,7 @@ def buckets(max_num_seqs: int) -> list[int]:
 @dataclass
 class _Graph:
     size: int
-    meta: AttentionMetadata
+    meta: TritonMetadata
     run: Callable[[], torch.Tensor]  # replays (or, without a GPU, runs) the step; returns logits [size, vocab]
 
 
@@ -51,7 +51,7 @@ class DecodeGraphs:
                  v_caches: list[torch.Tensor], scratch_block: int, block_size: int, max_blocks_per_seq: int,
                  max_num_seqs: int, num_kv_heads: int, device: torch.device, windows: tuple[int, ...] = ()) -> None:
         self.forward = forward
-        self.windows = windows  # each layer's sliding window (AttentionMetadata.windows)
+        self.windows = windows  # each layer's sliding window (metadata.AttentionMetadata.windows)
         self.k_caches, self.v_caches = k_caches, v_caches
         self.scratch_block, self.block_size = scratch_block, block_size
         self.width = max_blocks_per_seq  # the widest table a step may have
@@ -129,18 +129,13 @@ class DecodeGraphs:
         params, ids, pos, slots, lens = (self.buffer[a:b] for a, b in zip(self._starts, self._starts[1:],
                                                                            strict=False))
         empty = self.buffer[:0]
-        step = TritonStep(
-            slots=slots[:size],
+        meta = TritonMetadata(
+            k_caches=self.k_caches, v_caches=self.v_caches, windows=self.windows, slots=slots[:size],
             # rows params[0] apart (the replay's width), not this view's: the kernel reads the stride it is given
             decode_block_tables=self.buffer[self._starts[-1]:].view(self.sizes[-1], self.width)[:size],
             decode_context_lens=lens[:size], decode_splits=self.splits(size), decode_params=params[:2],
             tile_chunks=empty, tile_rows=empty, chunk_offsets=empty, chunk_lens=empty, chunk_starts=empty,
             chunk_block_tables=empty.view(0, 0))
-        meta = AttentionMetadata(k_caches=self.k_caches, v_caches=self.v_caches, slots=step.slots,
-                                 slot_blocks=step.slots, slot_offsets=step.slots, num_decode_tokens=size,
-                                 decode_block_tables=step.decode_block_tables,
-                                 decode_context_lens=step.decode_context_lens, decode_max_context_len=0, triton=step,
-                                 windows=self.windows)
         keep = self.keep[:size]
 
         def eager() -> torch.Tensor:

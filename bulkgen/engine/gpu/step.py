@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from bulkgen.engine.attention import TritonStep
 from bulkgen.engine.gpu import attention as triton_attention
+from bulkgen.engine.metadata import TritonMetadata
 
 ALIGN = 4  # int32s: 16 bytes
 
@@ -16,11 +16,11 @@ ALIGN = 4  # int32s: 16 bytes
 def triton_step(input_ids: list[int], positions: list[int], keep: list[int], slots: list[int],
                 decode_tables: list[list[int]], decode_context_lens: list[int],
                 chunks: list[tuple[int, int, int, list[int]]], device: torch.device, num_kv_heads: int,
-                group: int) -> tuple[TritonStep, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns the step's TritonStep and its input ids, positions and sampled rows (int64 on the device).
+                group: int, **common: object) -> tuple[TritonMetadata, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns the step's metadata and its input ids, positions and sampled rows (int64 on the device).
     keep: the rows to sample; slots: each new token's cache slot; decode_tables, decode_context_lens: per
     decoding sequence; chunks: per prefill chunk (offset in the batch, length, tokens cached before it, block
-    table)."""
+    table); common: the metadata's fields of every backend (metadata.AttentionMetadata's)."""
     num_decodes, num_chunks = len(decode_tables), len(chunks)
     decode_width = max((len(t) for t in decode_tables), default=0)
     chunk_width = max((len(c[3]) for c in chunks), default=0)
@@ -52,8 +52,9 @@ def triton_step(input_ids: list[int], positions: list[int], keep: list[int], slo
     if device.type == "cuda":
         buffer = buffer.pin_memory().to(device, non_blocking=True)
     views = [buffer[a:a + n] for a, n in zip(starts_at.tolist(), sizes, strict=False)]
-    step = TritonStep(
-        slots=views[4], decode_block_tables=views[5].view(num_decodes, decode_width), decode_context_lens=views[6],
+    step = TritonMetadata(
+        **common, slots=views[4], decode_block_tables=views[5].view(num_decodes, decode_width),
+        decode_context_lens=views[6],
         decode_splits=splits, decode_params=views[0],
         tile_chunks=views[7], tile_rows=views[8], chunk_offsets=views[9], chunk_lens=views[10],
         chunk_starts=views[11], chunk_block_tables=views[12].view(num_chunks, chunk_width))

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from bulkgen.config import SamplingParams
-from bulkgen.engine import attention
+from bulkgen.engine import attention, metadata
 from bulkgen.engine.cpu.attention import decode_c, prefill_c
 from bulkgen.engine.cpu.kernels import Kernels
 from bulkgen.engine.cpu.ops import Ops
@@ -36,7 +36,7 @@ def race(kernel: Kernels, dtype: torch.dtype, shape: ModelShape, block_size: int
     with torch.inference_mode():
         if "small_ops" in racing:
             timings["small_ops"] = _mix(lambda m: _small_ops_step(Ops(kernel, dtype), m, dtype, shape),
-                                        lambda m: _small_ops_step(Ops(None, dtype), m, dtype, shape))
+                                 lambda m: _small_ops_step(Ops(None, dtype), m, dtype, shape))
         if "small_ops" in timings:
             small_ops_c = timings["small_ops"][0] <= timings["small_ops"][1]
         if "linear" in racing:
@@ -144,7 +144,7 @@ def _paged_cache(generator: torch.Generator, dtype: torch.dtype, shape: ModelSha
     blocks_per_seq = -(-context // block_size)
     num_blocks = 2 * num_seqs * blocks_per_seq
     k_cache = _randn(generator, dtype, num_blocks,
-                     *attention.k_block_shape(shape.num_kv_heads, shape.head_dim, block_size, dtype))
+                     *metadata.k_block_shape(shape.num_kv_heads, shape.head_dim, block_size, dtype))
     v_cache = _randn(generator, dtype, num_blocks, shape.num_kv_heads, block_size, shape.head_dim)
     order = torch.randperm(num_blocks, generator=generator)
     return k_cache, v_cache, order[:num_seqs * blocks_per_seq].view(num_seqs, blocks_per_seq).int()
@@ -156,12 +156,12 @@ def _decode_race(kernel: Kernels, dtype: torch.dtype, shape: ModelShape, block_s
     k_cache, v_cache, tables = _paged_cache(generator, dtype, shape, block_size, DECODE_ROWS, context)
     lens = torch.full((DECODE_ROWS,), context, dtype=torch.int32)
     q = _randn(generator, dtype, DECODE_ROWS, shape.num_heads, shape.head_dim)
-    meta = attention.AttentionMetadata(k_caches=[k_cache], v_caches=[v_cache], slots=None, slot_blocks=None,
-                                       slot_offsets=None, num_decode_tokens=DECODE_ROWS, decode_block_tables=tables,
-                                       decode_context_lens=lens, decode_max_context_len=context, decode_kernel=kernel,
-                                       num_threads=torch.get_num_threads())
+    meta = metadata.CpuMetadata(k_caches=[k_cache], v_caches=[v_cache], slots=None, slot_blocks=None,
+                                slot_offsets=None, num_decode_tokens=DECODE_ROWS, decode_block_tables=tables,
+                                decode_context_lens=lens, decode_max_context_len=context, decode_kernel=kernel,
+                                num_threads=torch.get_num_threads())
     scale = shape.head_dim ** -0.5
-    c_s, torch_s = _best_of(lambda: decode_c(meta, q, k_cache, v_cache, scale, attention.FULL),
+    c_s, torch_s = _best_of(lambda: decode_c(meta, q, k_cache, v_cache, scale, metadata.FULL),
                             lambda: attention.decode_torch(q, k_cache, v_cache, tables, lens, scale), reps=5)
     return c_s / DECODE_ROWS, torch_s / DECODE_ROWS
 
@@ -190,16 +190,16 @@ def _prefill_race(kernel: Kernels, dtype: torch.dtype, shape: ModelShape, block_
     k_cache, v_cache, tables = _paged_cache(generator, dtype, shape, block_size, 1, rows)
     q = _randn(generator, dtype, rows, shape.num_heads, shape.head_dim)
     k, v = (_randn(generator, dtype, rows, shape.num_kv_heads, shape.head_dim) for _ in range(2))
-    chunk = attention.PrefillChunk(offset=0, num_tokens=rows, start=0, block_table=tables[0])
-    meta = attention.AttentionMetadata(k_caches=[k_cache], v_caches=[v_cache], slots=None, slot_blocks=None,
-                                       slot_offsets=None, num_decode_tokens=0, decode_block_tables=tables[:0],
-                                       decode_context_lens=tables[0, :0], decode_max_context_len=0, prefills=[chunk],
-                                       prefill_kernel=kernel, num_threads=torch.get_num_threads())
+    chunk = metadata.PrefillChunk(offset=0, num_tokens=rows, start=0, block_table=tables[0])
+    meta = metadata.CpuMetadata(k_caches=[k_cache], v_caches=[v_cache], slots=None, slot_blocks=None,
+                                slot_offsets=None, num_decode_tokens=0, decode_block_tables=tables[:0],
+                                decode_context_lens=tables[0, :0], decode_max_context_len=0, prefills=[chunk],
+                                prefill_kernel=kernel, num_threads=torch.get_num_threads())
     scale = shape.head_dim ** -0.5
 
     def in_torch() -> torch.Tensor:  # attention.attend's path for a chunk with nothing cached before it
         return F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                              v.transpose(0, 1)[None], is_causal=True, scale=scale, enable_gqa=True)
-    c_s, torch_s = _best_of(lambda: prefill_c(meta, q, k_cache, v_cache, chunk, scale, attention.FULL), in_torch,
+                                       v.transpose(0, 1)[None], is_causal=True, scale=scale, enable_gqa=True)
+    c_s, torch_s = _best_of(lambda: prefill_c(meta, q, k_cache, v_cache, chunk, scale, metadata.FULL), in_torch,
                             reps=3)
     return c_s / rows, torch_s / rows

@@ -27,7 +27,7 @@ from bulkgen.config import KERNEL_FAMILIES, EngineConfig, Paths, parse_kernels
 from bulkgen.engine.cpu.kernels import NO_KERNEL_ENV, Kernels, load_cpu_kernels
 from bulkgen.engine.cpu.machine import OtherLoad, describe_cpu, others_share_now, torch_capability
 from bulkgen.engine.cpu.ops import DTYPE_CODES
-from bulkgen.engine.cpu.race import race
+from bulkgen.engine.race import race
 from bulkgen.errors import ConfigError
 from bulkgen.model import ModelShape
 
