@@ -48,6 +48,23 @@ from bulkgen.errors import ConfigError
 from bulkgen.store.packings import DEFAULT_PACKING, PACKINGS, SORT_KEYS
 
 
+class QueueShape(Protocol):  # store.queue.QueueShape, what a worker sizes its claims by
+    num_pending: int
+    num_running: int
+    mean_tokens: float
+    num_live_workers: int
+
+
+def claim_target(max_num_seqs: int, kv_tokens: int, shape: QueueShape) -> int:
+    """How many requests a worker should hold: what the engine can run at once (its KV cache over the pending
+    requests' mean length, at most max_num_seqs) and a quarter more waiting, so the batch never runs dry; but no
+    more than a fair share of what is left among the live workers, so that a second worker (or eight) shares even
+    a small job."""
+    running_capacity = min(max_num_seqs, max(1, int(kv_tokens / max(shape.mean_tokens, 1.0))))
+    fair_share = -(-(shape.num_pending + shape.num_running) // max(shape.num_live_workers, 1))
+    return max(1, min(running_capacity + running_capacity // 4 + 1, fair_share))
+
+
 class Packable(Protocol):
     num_prompt_tokens: int
     max_new_tokens: int

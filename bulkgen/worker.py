@@ -37,7 +37,7 @@ from bulkgen.errors import ConfigError, PromptTooLongError, StoreError
 from bulkgen.lease import Heartbeat, on_stop_signals
 from bulkgen.liveness import Liveness, StalledError
 from bulkgen.outage import Outage
-from bulkgen.packing import admission_for, check_packing
+from bulkgen.packing import admission_for, check_packing, claim_target
 from bulkgen.progress import Progress
 from bulkgen.recorder import SAMPLE_INTERVAL_S, Recorder
 from bulkgen.resolve import model_dir
@@ -116,7 +116,7 @@ class Worker:
 
     def run(self) -> RunSummary:
         start = time.monotonic()
-        self._db(lambda: self._in_session(q.register_worker, self.worker_id), "register", wait=True)
+        self._store(q.register_worker, self.worker_id, what="register", wait=True)
         heartbeat = Heartbeat(self.store, self.worker_id, self.options.lease_seconds, self.writer.held_ids,
                               self.liveness)
         heartbeat.start()
@@ -185,8 +185,8 @@ class Worker:
         requests it claimed. Each turn: stop (drain) or claim if due, step, commit if due, reconcile the leases."""
         engine = self._engine(jobs[0])
         self._say_start(engine, jobs)
-        settings = self._settings(engine)
-        self._db(lambda: self._in_session(runs.set_worker_settings, self.worker_id, settings), "settings", wait=True)
+        settings = _run_settings(engine, self.engine_config, self.options)
+        self._store(runs.set_worker_settings, self.worker_id, settings, what="settings", wait=True)
         preemptions_before = engine.stats.num_preemptions
         params = {job.id: SamplingParams.from_dict(job.spec["sampling"]) for job in jobs}
         job_ids = [job.id for job in jobs]
@@ -251,9 +251,12 @@ class Worker:
             self.outage.ok()
             return result
 
-    def _in_session(self, function: Callable[..., Any], *args: Any) -> Any:
-        with self.store.session_scope(write=True) as session:
-            return function(session, *args)
+    def _store(self, function: Callable[..., Any], *args: Any, what: str, wait: bool = False) -> Any:
+        """`function(session, *args)` in one write transaction, through the outage (`_db`)."""
+        def call() -> Any:
+            with self.store.session_scope(write=True) as session:
+                return function(session, *args)
+        return self._db(call, what, wait)
 
     def _kept_full(self) -> bool:
         """Whether the run holds as many rows as it may keep while the database is away (it pauses)."""
@@ -267,8 +270,13 @@ class Worker:
                       pace: _Pace, now: float) -> int:
         """Claim up to the target (sized again every SIZING_INTERVAL_S); found nothing pending: look again
         after poll_s. Returns how many requests it claimed."""
-        if now >= pace.next_sizing:
-            pace.target, pace.next_sizing = self._claim_target(engine, job_ids), now + SIZING_INTERVAL_S
+        if now >= pace.next_sizing:  # the target (packing.claim_target) from the queue's shape for these jobs
+            most = claim_target(self.engine_config.max_num_seqs, engine.max_num_tokens,
+                                q.QueueShape(1 << 30, 0, 1.0, 1))  # what it would take from an endless queue
+            with self.store.session_scope() as session:
+                shape = q.queue_shape(session, job_ids, self.options.lease_seconds, enough_per_worker=most)
+            pace.target = claim_target(self.engine_config.max_num_seqs, engine.max_num_tokens, shape)
+            pace.next_sizing = now + SIZING_INTERVAL_S
         if self.writer.num_held >= pace.target and not engine.has_unfinished():
             self._write(job_ids)  # all it holds has finished: commit to make room
         if self.writer.num_held >= pace.target:
@@ -322,20 +330,9 @@ class Worker:
         if self._progress is None or not self._progress.enabled or now < pace.next_sync:
             return
         pace.next_sync = now + min(max(self.options.log_every / 3, 1.0), 10.0)
-        totals = self._db(lambda: self._in_session(q.queue_totals, job_ids), "totals")
+        totals = self._store(q.queue_totals, job_ids, what="totals")
         if totals is not None:
             self._progress.sync(totals.num_done, totals.num_requests, totals.budget_left)
-
-    def _claim_target(self, engine: EngineProtocol, job_ids: list[int]) -> int:
-        """How many requests to hold: what the engine can run at once (its KV cache over the pending
-        requests' mean length, at most max_num_seqs) and a quarter more waiting, so the batch never runs
-        dry; but no more than a fair share of what is left among the live workers, so that a second worker
-        (or eight) shares even a small job."""
-        most = claim_target(self.engine_config.max_num_seqs, engine.max_num_tokens,
-                            q.QueueShape(1 << 30, 0, 1.0, 1))  # what it would take from an endless queue
-        with self.store.session_scope() as session:
-            shape = q.queue_shape(session, job_ids, self.options.lease_seconds, enough_per_worker=most)
-        return claim_target(self.engine_config.max_num_seqs, engine.max_num_tokens, shape)
 
     def _claim(self, engine: EngineProtocol, job_ids: list[int], params: dict[int, SamplingParams],
                limit: int) -> int:
@@ -365,7 +362,7 @@ class Worker:
                 self.liveness.progressed()
         if self.recorder.pending and not self.outage.down:
             rows = list(self.recorder.pending)
-            if self._db(lambda: self._in_session(runs.insert_samples, rows), "samples") is not None:
+            if self._store(runs.insert_samples, rows, what="samples") is not None:
                 self.recorder.written(len(rows))
 
     def _count(self, flushed: Flushed) -> None:
@@ -401,8 +398,8 @@ class Worker:
                     q.reclaim_expired(session, self.options.max_attempts, [self.worker_id])
             else:
                 self.summary.num_released += self.writer.give_back(list(self.writer.held))
-            self._db(lambda: self._in_session(q.stop_worker, self.worker_id, self.summary.num_completed,
-                                              self.summary.num_output_tokens), "stop", wait=error is None)
+            self._store(q.stop_worker, self.worker_id, self.summary.num_completed, self.summary.num_output_tokens,
+                        what="stop", wait=error is None)
         except Exception as exc:  # never hide the original error behind a shutdown one
             if error is None:
                 raise
@@ -420,17 +417,6 @@ class Worker:
             self._engines[job.model_path] = self._engine_factory(str(path), self.engine_config)
         return self._engines[job.model_path]
 
-    def _settings(self, engine: EngineProtocol) -> dict[str, Any]:
-        """What this run ran with, for `bulkgen report`."""
-        config = getattr(engine, "config", self.engine_config)  # its dtype resolved, where the engine has one
-        return {"engine": engine.describe(), "dtype": config.dtype, "quantization": config.quantization,
-                "device": config.device,
-                "kv_cache_tokens": engine.max_num_tokens, "max_num_seqs": config.max_num_seqs,
-                "max_num_batched_tokens": config.max_num_batched_tokens, "block_size": config.block_size,
-                "attention_backend": config.attention_backend, "kernels": config.kernels,
-                "packing": self.options.packing, "kv_admission": self.options.kv_admission,
-                "stall_s": self.options.stall_s, "lease_s": self.options.lease_seconds}
-
     def _say_start(self, engine: EngineProtocol, jobs: list[Job]) -> None:
         """The run's first line, as soon as the engine is up: what runs, how, and how much is queued (once for a
         model and its jobs, however often the worker comes back to them)."""
@@ -438,7 +424,7 @@ class Worker:
         if self._progress is None or key in self._said:
             return
         self._said.add(key)
-        totals = self._db(lambda: self._in_session(q.queue_totals, [job.id for job in jobs]), "totals", wait=True)
+        totals = self._store(q.queue_totals, [job.id for job in jobs], what="totals", wait=True)
         self._progress.begin(f"bulkgen run: {engine.describe()} · jobs {', '.join(str(job.id) for job in jobs)}: "
                              f"{totals.num_pending:,} requests queued, {totals.num_done:,} of "
                              f"{totals.num_requests:,} done")
@@ -447,7 +433,7 @@ class Worker:
     def _say_waiting(self, job_ids: list[int]) -> None:
         """One line when the worker has nothing to claim while other workers still run these jobs' requests (and
         again only when who holds them changes): what it waits for, and why that wait is bounded."""
-        held = self._db(lambda: self._in_session(q.held_elsewhere, self.worker_id, job_ids), "who holds what")
+        held = self._store(q.held_elsewhere, self.worker_id, job_ids, what="who holds what")
         if not held or set(held) == set(self._waiting_said or {}):
             return
         self._waiting_said = held
@@ -468,11 +454,16 @@ class _Pace:
     next_sync: float = 0.0  # when to read the job's counts again for the progress line (other workers' commits)
 
 
-def claim_target(max_num_seqs: int, kv_tokens: int, shape: q.QueueShape) -> int:
-    """Requests a worker should hold (see Worker._claim_target)."""
-    running_capacity = min(max_num_seqs, max(1, int(kv_tokens / max(shape.mean_tokens, 1.0))))
-    fair_share = -(-(shape.num_pending + shape.num_running) // max(shape.num_live_workers, 1))
-    return max(1, min(running_capacity + running_capacity // 4 + 1, fair_share))
+def _run_settings(engine: EngineProtocol, engine_config: EngineConfig, options: WorkerOptions) -> dict[str, Any]:
+    """What a run ran with, for `bulkgen report`."""
+    config = getattr(engine, "config", engine_config)  # its dtype resolved, where the engine has one
+    return {"engine": engine.describe(), "dtype": config.dtype, "quantization": config.quantization,
+            "device": config.device,
+            "kv_cache_tokens": engine.max_num_tokens, "max_num_seqs": config.max_num_seqs,
+            "max_num_batched_tokens": config.max_num_batched_tokens, "block_size": config.block_size,
+            "attention_backend": config.attention_backend, "kernels": config.kernels,
+            "packing": options.packing, "kv_admission": options.kv_admission,
+            "stall_s": options.stall_s, "lease_s": options.lease_seconds}
 
 
 def _default_engine(model_path: str, config: EngineConfig, kv_admission: bool = True,

@@ -229,7 +229,7 @@ def test_bad_worker_options(bad: dict) -> None:
 
 
 def test_claims_are_sized_to_running_capacity_and_a_fair_share() -> None:
-    from bulkgen.worker import claim_target
+    from bulkgen.packing import claim_target
 
     shape = q.QueueShape(num_pending=10_000, num_running=0, mean_tokens=400.0, num_live_workers=1)
     assert claim_target(256, 8192, shape) == 20 + 5 + 1, "the KV cache runs ~20 such requests at once"

@@ -101,7 +101,7 @@ def measure(db_url: str, num_workers: int, num_requests: int, max_num_seqs: int 
     job_id = make_queue_job(db_url, num_requests)
     context = multiprocessing.get_context("spawn")
     ready, results, go = context.Queue(), context.Queue(), context.Event()
-    kv_tokens = max_num_seqs * 80  # so that claim_target sizes claims as a full batch of 64 + 16 token requests
+    kv_tokens = max_num_seqs * 80  # so that packing.claim_target sizes claims as a full batch of 64 + 16 token requests
     procs = [context.Process(target=_worker, args=(db_url, job_id, kv_tokens, max_num_seqs, ready, go, results))
              for _ in range(num_workers)]
     for proc in procs:
