@@ -45,7 +45,7 @@ from typing import Any, Protocol
 
 from bulkgen.engine.block_manager import window_blocks
 from bulkgen.errors import ConfigError
-from bulkgen.store.packings import DEFAULT_PACKING, PACKINGS, SORT_KEYS
+from bulkgen.store.packings import DEFAULT_PACKING, PACKINGS, SORT_KEYS, ids_bytes, prefix_order
 
 
 class QueueShape(Protocol):  # store.queue.QueueShape, what a worker sizes its claims by
@@ -71,12 +71,19 @@ class Packable(Protocol):
 
 
 def order(items: Seq[Any], packing: str = DEFAULT_PACKING,
-          prompt_len=lambda it: it.num_prompt_tokens, max_new=lambda it: it.max_new_tokens) -> list[Any]:
-    """Admission order of `items` under `packing` (stable: equal keys keep their input order)."""
+          prompt_len=lambda it: it.num_prompt_tokens, max_new=lambda it: it.max_new_tokens,
+          prompt_ids: Callable[[Any], Seq[int]] | None = None) -> list[Any]:
+    """Admission order of `items` under `packing` (stable: equal keys keep their input order). With `prompt_ids`,
+    lpt keeps the requests that share a prefix together (`prefix_order`)."""
     check_packing(packing)
     fields = {"max_new_tokens": max_new, "num_prompt_tokens": prompt_len}
-    keys = SORT_KEYS[packing]
-    return sorted(items, key=lambda it: tuple(-fields[f](it) if desc else fields[f](it) for f, desc in keys))
+    keys = [(*(-fields[f](it) if desc else fields[f](it) for f, desc in SORT_KEYS[packing]), i)
+            for i, it in enumerate(items)]
+    if packing == "lpt" and prompt_ids is not None:
+        ranks = prefix_order(keys, [ids_bytes(prompt_ids(it)) for it in items])
+    else:
+        ranks = sorted(range(len(items)), key=keys.__getitem__)
+    return [items[i] for i in ranks]
 
 
 def check_packing(packing: str) -> None:
@@ -100,7 +107,8 @@ class KVAdmission:
     """Admit a sequence only if the projected peak KV use of all running sequences plus it fits.
 
     Plugged into the engine's scheduler (its `admission` hook). Sequences are duck-typed: they have
-    num_tokens, num_output_tokens, params.max_new_tokens and params.ignore_eos.
+    num_tokens, num_output_tokens, params.max_new_tokens and params.ignore_eos (and may have num_shared_tokens:
+    the leading tokens whose blocks a longer-running sequence holds and counts).
     """
 
     num_blocks: int
@@ -118,15 +126,15 @@ class KVAdmission:
             return True  # alone it fits: the engine refuses requests larger than the whole cache
         capacity = self.num_blocks * (1 - self.watermark)
         # (tokens now, tokens still to come) of every sequence, the candidate included
-        loads = [(s.num_tokens, self._remaining(s)) for s in running]
-        loads.append((candidate.num_tokens, self._remaining(candidate)))
+        loads = [self._load(s) for s in running]
+        loads.append(self._load(candidate))
         return peak_blocks(loads, self.block_size, self.group_windows) <= capacity
 
     def earliest_start(self, blocked: Any, running: list[Any]) -> int:
         """Steps until `blocked` fits beside what is still running then (EASY backfilling's reservation)."""
         capacity = self.num_blocks * (1 - self.watermark)
-        loads = sorted(((s.num_tokens, self._remaining(s)) for s in running), key=lambda load: load[1])
-        head = (blocked.num_tokens, self._remaining(blocked))
+        loads = sorted((self._load(s) for s in running), key=lambda load: load[1])
+        head = self._load(blocked)
         for step in sorted({0, *(remaining for _, remaining in loads)}):
             later = [(now + step, remaining - step) for now, remaining in loads if remaining > step]
             if peak_blocks([*later, head], self.block_size, self.group_windows) <= capacity:
@@ -167,6 +175,11 @@ class KVAdmission:
         self._finished_output += num_output_tokens
         if self._finished_budget >= 1000:  # enough to trust the estimate (and never below a tenth)
             self.output_share = max(0.1, min(1.0, self._finished_output / self._finished_budget))
+
+    def _load(self, seq: Any) -> tuple[int, int]:
+        """(tokens held now, tokens still to come); a prefix shared with a sequence that ends no sooner is counted in
+        that sequence's load."""
+        return seq.num_tokens - getattr(seq, "num_shared_tokens", 0), self._remaining(seq)
 
     def _remaining(self, seq: Any) -> int:
         budget = seq.params.max_new_tokens

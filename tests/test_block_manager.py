@@ -166,3 +166,41 @@ def test_a_cached_prefix_needs_only_the_window_of_a_sliding_group() -> None:
         bm.allocate(other, 4)
     cached = bm.find_cached_prefix(b)
     assert len(cached) == 3 and cached.tables == [full[:3], [16] + sliding[1:3]]  # position 12 sees 5..12
+
+
+def test_partly_shared_blocks_are_found_copied_and_forgotten() -> None:
+    """After a full prefix, the longest start of a cached block that follows it is copied (at least
+    PARTIAL_MIN_TOKENS, at most all but the last token); the index of such blocks stays bounded and forgets the
+    blocks handed out again, however many were registered under one key."""
+    from bulkgen.engine.block_manager import CHILDREN_KEPT
+
+    bm = BlockManager(num_blocks=40, block_size=8)
+
+    def run(tokens: list[int]) -> Sequence:
+        s = Sequence(len(tokens), tokens, SamplingParams(max_new_tokens=1))
+        cached = bm.find_cached_prefix(s)
+        bm.allocate(s, len(tokens) - cached.num_tokens(8), cached)
+        s.num_computed_tokens = len(tokens)
+        bm.cache_full_blocks(s)
+        return s
+
+    first = run(list(range(1, 18)))  # two full blocks cached
+    assert bm.take_copies() == []
+    b = Sequence(2, [*range(1, 14), 0, 0], SamplingParams(max_new_tokens=1))
+    cached = bm.find_cached_prefix(b)
+    assert (len(cached), cached.partial, cached.source) == (1, 5, first.block_table[1])
+    short = Sequence(3, [*range(1, 12), 0], SamplingParams(max_new_tokens=1))  # 3 tokens shared: computed again
+    assert (len(bm.find_cached_prefix(short)), bm.find_cached_prefix(short).partial) == (1, 0)
+    c = Sequence(4, list(range(1, 17)), SamplingParams(max_new_tokens=1))  # all of block 1: its last token computed
+    cached = bm.find_cached_prefix(c)
+    assert (len(cached), cached.partial, cached.source) == (1, 7, first.block_table[1])
+    bm.allocate(c, 1, cached)
+    assert c.num_computed_tokens == 15 and bm.take_copies() == [(first.block_table[1], c.block_table[1])]
+    bm.free(c)
+    bm.free(first)
+    for i in range(3 * CHILDREN_KEPT):  # many blocks after one prefix, all starting alike: the index keeps the latest
+        bm.free(run([*range(1, 13), 100 + i, 0, 0, 0, 9]))
+    assert all(len(kept) <= CHILDREN_KEPT for kept in bm._children.values())
+    for round_ in range(3):  # hand every block out again: all forgotten, nothing stale left in the index
+        bm.free(run(list(range(1000 * (round_ + 1), 1000 * (round_ + 1) + 8 * 40 - 1))))
+    assert all(bm._key[b] is not None for kept in bm._children.values() for b, _ in kept)

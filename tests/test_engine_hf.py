@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from bulkgen.bench.workload import distinct_tokens
 from bulkgen.config import EngineConfig, SamplingParams
 from bulkgen.engine.cpu.kernels import CFLAGS_ENV
 from bulkgen.engine.cpu.machine import ALLOW_SLOW_DTYPE_ENV
@@ -213,3 +214,43 @@ def test_decode_graphs_pad_to_their_bucket_and_equal_hf_generate(models) -> None
     assert graphs.graphs == made, "none captured during the run"
     with pytest.raises(ConfigError, match="needs a GPU"):
         Engine(model_dir, EngineConfig(kv_cache_memory=2**20, cuda_graphs=True, attention_backend="torch"))
+
+
+def _shared_prefix_workload() -> list[tuple[list[int], int]]:
+    """Three documents of 37-61 tokens, each asked five questions of 1-9 tokens: prompts that share full blocks and
+    then part of a block; and one prompt twice."""
+    rng = random.Random(7)
+    workload = []
+    for length in (37, 50, 61):
+        document = [rng.randrange(100, 40000) for _ in range(length)]
+        workload += [(document + [rng.randrange(100, 40000) for _ in range(rng.randint(1, 9))], rng.randint(2, 12))
+                     for _ in range(5)]
+    return [*workload, workload[4]]
+
+
+@pytest.mark.parametrize("path", ["lean-c", "lean-torch", "triton"])
+def test_shared_prefixes_reused_part_blocks_included_equal_hf_generate(tiny_qwen2_dir: Path, path: str) -> None:
+    """Prompts sharing a document: the later ones wait for its blocks, take the full ones from the prefix cache and
+    copy the partly shared one (block_manager._partial); greedy tokens equal Hugging Face's, on the C, torch and
+    Triton (interpreter) paths, with prefill in chunks of 16, and the engine computes each document about once."""
+    if path == "triton":
+        pytest.importorskip("triton")
+    workload = _shared_prefix_workload()
+    expected = helpers.hf_greedy(tiny_qwen2_dir, workload)
+    config = EngineConfig(kv_cache_memory=1 << 22, max_num_batched_tokens=16, block_size=16, max_num_seqs=8,
+                          kernels="torch" if path == "lean-torch" else "c",
+                          attention_backend="triton" if path == "triton" else "auto")
+    engine = Engine(tiny_qwen2_dir, config)
+    for i, (prompt, max_new) in enumerate(workload):
+        engine.add(i, prompt, SamplingParams(max_new_tokens=max_new))
+    outputs = {}
+    while engine.has_unfinished():
+        outputs.update((o.request_id, o) for o in engine.step())
+    assert [outputs[i].output_token_ids for i in range(len(workload))] == expected
+    cached = [outputs[i].num_cached_tokens for i in range(len(workload))]
+    assert any(n % 16 for n in cached), f"some prompt copied a partly shared block: {cached}"
+    # the prompts' trie has `distinct` tokens; each prompt computes at least its last token (the duplicate's is not
+    # distinct), and a block shared by fewer than PARTIAL_MIN_TOKENS is computed again
+    distinct = distinct_tokens([p for p, _ in workload])
+    assert distinct + 1 <= engine.stats.num_prompt_tokens_computed <= distinct + 1 + 3 * len(workload), \
+        (engine.stats.num_prompt_tokens_computed, distinct)

@@ -94,3 +94,28 @@ def test_many_workers_opening_a_new_database_at_once_migrate_it_once(make_db) ->
     results = [p.communicate(timeout=120) for p in procs]
     assert all(p.returncode == 0 for p in procs), [err for _, err in results]
     assert migrate.current_revision(create_engine(url)) == migrate.head_revision()
+
+
+def test_requests_queued_before_the_lpt_rank_are_ranked_as_their_claims_ordered_them(make_db) -> None:
+    """A database of 0006 with a job's requests: upgraded, each request's lpt_rank is its place in plain lpt order
+    (most output tokens, then the longest prompt, then the latest row), per job."""
+    from sqlalchemy import text
+
+    engine = create_engine(make_db("r"))
+    migrate.upgrade(engine, "0006_model_revision")
+    budgets = [(16, 100), (256, 10), (64, 500), (256, 50), (16, 500), (64, 500)]  # (max_new, prompt tokens)
+    with engine.begin() as conn:
+        for job in (1, 2):
+            conn.execute(text("INSERT INTO jobs (id, status, model, model_path, input_path, input_fingerprint, "
+                              "input_columns, spec, num_requests, created_at) VALUES (:id, 'queued', 'm', 'm', '-', "
+                              "'-', '[]', '{}', 6, '2026-01-01')"), {"id": job})
+            for row, (max_new, prompt) in enumerate(budgets):
+                conn.execute(text("INSERT INTO requests (job_id, row, sample, num_prompt_tokens, max_new_tokens, "
+                                  "seed, state, attempts, updated_at) VALUES (:job, :row, 0, :prompt, :max_new, 0, "
+                                  "'pending', 0, '2026-01-01')"),
+                             {"job": job, "row": row, "prompt": prompt, "max_new": max_new})
+    migrate.upgrade(engine)
+    with engine.connect() as conn:
+        ranks = conn.execute(text("SELECT job_id, row, lpt_rank FROM requests ORDER BY job_id, lpt_rank")).all()
+    assert [(job, row) for job, row, _ in ranks] == [(job, row) for job in (1, 2) for row in (3, 1, 5, 2, 4, 0)]
+    assert [rank for _, _, rank in ranks] == [0, 1, 2, 3, 4, 5] * 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from collections import deque
 from dataclasses import dataclass
 
@@ -134,3 +135,132 @@ def test_packing_removes_preemption_under_a_tight_cache(tiny_model_dir) -> None:
         results[admission] = (engine.stats.num_preemptions, outs)
     assert results[False][0] > 0 and results[True][0] == 0 and results["spread"][0] == 0
     assert results[False][1] == results[True][1] == results["spread"][1]
+
+
+@dataclass
+class Prompted:
+    ids: list[int]
+    max_new_tokens: int
+    group: tuple[int, ...] = ()  # the documents it shares, outermost first (what the test built, not what it finds)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.ids)
+
+
+def _lpt_key(item: Prompted) -> tuple[int, int]:
+    return -item.max_new_tokens, -item.num_prompt_tokens
+
+
+def _fewshot(rng: random.Random, header: list[int], documents: int, questions: int) -> list[Prompted]:
+    items = []
+    for d in range(documents):
+        document = [rng.randrange(1000, 50_000) for _ in range(rng.randint(100, 300))]
+        for _ in range(questions):
+            question = [rng.randrange(1000, 50_000) for _ in range(rng.randint(3, 30))]
+            items.append(Prompted(header + document + question, rng.randint(8, 256), (d,)))
+    rng.shuffle(items)
+    return items
+
+
+def test_prefix_order_is_lpt_where_prompts_share_little() -> None:
+    """A chat template's few tokens shared by every prompt, and chance shared starts, make no group: the order is
+    lpt's as it was (the same function without the prompts)."""
+    rng = random.Random(0)
+    header = list(range(1, 21))
+    items = [Prompted(header + [rng.randrange(1000, 1010) for _ in range(rng.randint(1, 200))], rng.randint(8, 256))
+             for _ in range(300)]
+    assert order(items, "lpt", prompt_ids=lambda it: it.ids) == order(items, "lpt")
+    assert order(items, "fifo", prompt_ids=lambda it: it.ids) == items, "only lpt groups"
+
+
+def test_prefix_order_runs_each_document_as_one_group_in_lpt_order() -> None:
+    rng = random.Random(1)
+    items = _fewshot(rng, list(range(1, 21)), documents=6, questions=12)
+    got = order(items, "lpt", prompt_ids=lambda it: it.ids)
+    # the reference, from how the items were built: each document's questions in lpt order, the documents in the
+    # order of their first question's key (ties: the earlier input first, as the keys' last field says)
+    position = {id(it): i for i, it in enumerate(items)}
+    groups: dict[tuple[int, ...], list[Prompted]] = {}
+    for item in items:
+        groups.setdefault(item.group, []).append(item)
+    members = [sorted(g, key=lambda it: (*_lpt_key(it), position[id(it)])) for g in groups.values()]
+    members.sort(key=lambda g: (*_lpt_key(g[0]), position[id(g[0])]))
+    assert got == [it for g in members for it in g]
+
+
+def test_prefix_order_nests_groups_and_keeps_samples_of_one_prompt_together() -> None:
+    """A long system prompt shared by half the documents, the documents within it, and four samples of a prompt."""
+    rng = random.Random(2)
+    system = [rng.randrange(1000, 50_000) for _ in range(150)]
+    inner = _fewshot(rng, system, documents=3, questions=5)
+    outer = _fewshot(rng, [7, 8, 9], documents=3, questions=5)
+    for item in outer:
+        item.group = (item.group[0] + 10,)
+    samples = [Prompted(list(range(500, 700)), 100 + i) for i in range(4)]
+    items = inner + outer + samples
+    rng.shuffle(items)
+    got = order(items, "lpt", prompt_ids=lambda it: it.ids)
+
+    def runs(label) -> int:  # how many separate runs the items with this label make in the order
+        flags = [label(it) for it in got]
+        return sum(1 for i, f in enumerate(flags) if f and (i == 0 or not flags[i - 1]))
+
+    assert runs(lambda it: it.ids[:150] == system) == 1, "the system prompt's requests run as one group"
+    for d in range(3):
+        assert runs(lambda it, d=d: it.group == (d,) and it.ids[:150] == system) == 1
+        assert runs(lambda it, d=d: it.group == (d + 10,)) == 1
+    assert runs(lambda it: it in samples) == 1
+    assert len(got) == len(items) and {id(it) for it in got} == {id(it) for it in items}
+
+
+def test_a_prompt_waits_for_the_prefix_a_running_sequence_is_computing() -> None:
+    """Two prompts sharing 4 blocks, admitted in one step, would both compute them: the second waits a step and
+    takes them from the prefix cache; an unrelated prompt behind it is not held up."""
+    bm = BlockManager(num_blocks=64, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=256, admission=KVAdmission(64, 4))
+    shared = list(range(100, 116))
+    first = Sequence(1, shared + [1, 2, 3], SamplingParams(max_new_tokens=8, ignore_eos=True))
+    second = Sequence(2, shared + [4, 5], SamplingParams(max_new_tokens=8, ignore_eos=True))
+    other = Sequence(3, list(range(200, 219)), SamplingParams(max_new_tokens=8, ignore_eos=True))
+    for s in (first, second, other):
+        sched.add(s)
+    out = sched.schedule()
+    assert [s.seq.request_id for s in out.scheduled] == [1, 3]
+    sched.update(out)
+    first.append_token(7)
+    other.append_token(7)
+    out = sched.schedule()
+    assert [s.seq.request_id for s in out.scheduled] == [1, 3, 2]
+    assert second.num_cached_tokens == 16 and out.scheduled[-1].num_new_tokens == 2
+
+
+def test_claims_follow_the_prefix_groups_through_the_queue(db_url: str) -> None:
+    """A few-shot job in the store (SQLite and PostgreSQL): claims five at a time under lpt come in the order that
+    packing.order gives the same requests in memory (every key distinct, so ties cannot differ), each document's
+    questions together; fifo and sorted are untouched."""
+    from bulkgen.store import jobs as job_ops
+    from bulkgen.store import queue as q
+    from bulkgen.store.db import open_store
+
+    rng = random.Random(3)
+    items = _fewshot(rng, list(range(1, 21)), documents=4, questions=6)
+    for budget, item in zip(rng.sample(range(8, 1000), len(items)), items, strict=True):
+        item.max_new_tokens = budget
+    store = open_store(db_url)
+    with store.session_scope(write=True) as session:
+        job_id = job_ops.new_job(session, model="m", model_path="m", spec={})
+        job_ops.insert_requests(session, [job_ops.request_row(job_id, row, 0, item.ids, item.max_new_tokens, row)
+                                          for row, item in enumerate(items)])
+        job_ops.open_job(session, job_id, len(items))
+    claimed: list[int] = []
+    while True:
+        with store.session_scope(write=True) as session:
+            rows = q.claim(session, "w", [job_id], 5, lease_s=60)
+        if not rows:
+            break
+        claimed += [r.row for r in rows]
+    expected = order(list(range(len(items))), "lpt", prompt_len=lambda i: items[i].num_prompt_tokens,
+                     max_new=lambda i: items[i].max_new_tokens, prompt_ids=lambda i: items[i].ids)
+    assert claimed == expected
+    assert sum(1 for a, b in zip(claimed, claimed[1:], strict=False) if items[a].group != items[b].group) == 3

@@ -43,7 +43,8 @@ def run_bulkgen(spec: dict[str, Any], workload: Workload) -> dict[str, Any]:
         engine = Engine(spec["model"], config, admission=admission)
     engine.stats.keep_steps = True
     items = order(list(range(len(workload.prompts))), spec.get("packing", DEFAULT_PACKING),
-                  prompt_len=lambda i: len(workload.prompts[i]), max_new=lambda i: workload.max_new_tokens[i])
+                  prompt_len=lambda i: len(workload.prompts[i]), max_new=lambda i: workload.max_new_tokens[i],
+                  prompt_ids=lambda i: workload.prompts[i])
     _warm_up(engine)
     schema = json.dumps(spec["json_schema"]) if spec.get("json_schema") else None
     if schema is not None:
@@ -68,6 +69,7 @@ def run_bulkgen(spec: dict[str, Any], workload: Workload) -> dict[str, Any]:
         "finish_s": [finish[i] for i in range(len(workload.prompts))],
         "wall_s": wall,
         "preemptions": engine.stats.num_preemptions,
+        "prompt_tokens_computed": engine.stats.num_prompt_tokens_computed,
         "mean_batch_occupancy": sum(s.num_seqs for s in steps) / max(len(steps), 1),
         "padding_fraction": 0.0,
         "kv_cache_bytes": engine.runner.kv_cache_bytes,
@@ -262,7 +264,7 @@ def _warm_up(engine: Any) -> None:
     """One tiny request, so first-call costs (kernel build, allocator) stay out of the timed span."""
     list(engine.generate([[100, 101, 102, 103]], SamplingParams(max_new_tokens=2, ignore_eos=True)))
     engine.stats.steps.clear()
-    engine.stats.num_preemptions = engine.scheduler.num_preemptions = 0
+    engine.stats.num_preemptions = engine.scheduler.num_preemptions = engine.stats.num_prompt_tokens_computed = 0
 
 
 RUNNERS = {

@@ -25,6 +25,11 @@ def metrics(label: str, dtype: str, raw: dict[str, Any], workload: Workload) -> 
         "wall_s": wall, "tail_s": tail,
         "peak_memory_bytes": raw.get("peak_memory_bytes"),
         "preemptions": raw.get("preemptions"),
+        # prompt tokens the engine computed (recomputation included, cached prefixes not), against the workload's
+        # distinct ones (each shared prefix once: the least a run can compute)
+        "prompt_tokens_computed": raw.get("prompt_tokens_computed"),
+        "prefill_ratio": raw["prompt_tokens_computed"] / workload.num_distinct_prompt_tokens
+        if raw.get("prompt_tokens_computed") is not None else None,
         "mean_batch_occupancy": raw.get("mean_batch_occupancy"),
         "padding_fraction": raw.get("padding_fraction"),
         "kv_cache_tokens": raw.get("kv_cache_tokens"),
@@ -66,7 +71,7 @@ def compare(results: list[dict[str, Any]], reference_label: str | None = None) -
 def format_table(report: dict[str, Any]) -> str:
     w = max([22, *(len(r["engine"]) for r in report["results"])])  # the engine column fits every label
     header = (f"{'engine':<{w}} {'out tok/s':>9} {'total tok/s':>11} {'wall s':>8} {'tail s':>7} {'peak mem':>9} "
-              f"{'preempt':>7} {'batch':>6} {'pad':>5} {'identical':>9}  notes")
+              f"{'preempt':>7} {'prefill':>7} {'batch':>6} {'pad':>5} {'identical':>9}  notes")
     lines = [header, "-" * len(header)]
     for r in report["results"]:
         if r.get("error"):
@@ -77,6 +82,7 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append(
             f"{r['engine']:<{w}} {r['output_tok_per_s']:>9.1f} {r['total_tok_per_s']:>11.1f} {r['wall_s']:>8.1f} "
             f"{_opt(r['tail_s'], '.1f'):>7} {mem:>9} {_opt(r['preemptions'], 'd'):>7} "
+            f"{_opt(r.get('prefill_ratio'), '.2f') + ('x' if r.get('prefill_ratio') is not None else ''):>7} "
             f"{_opt(r['mean_batch_occupancy'], '.1f'):>6} {_opt(r['padding_fraction'], '.0%'):>5} {ident:>9}  "
             f"{r.get('notes') or ''}")
     return "\n".join(lines)

@@ -28,6 +28,11 @@ class Workload:
     def num_output_tokens(self) -> int:
         return sum(self.max_new_tokens)
 
+    @property
+    def num_distinct_prompt_tokens(self) -> int:
+        """The prompts' tokens, each prefix they share counted once."""
+        return distinct_tokens(self.prompts)
+
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self)))
 
@@ -38,7 +43,8 @@ class Workload:
     def describe(self) -> dict:
         lengths = [len(p) for p in self.prompts]
         return {"name": self.name, "num_requests": len(self.prompts), "num_prompt_tokens": self.num_prompt_tokens,
-                "num_output_tokens": self.num_output_tokens, "prompt_tokens_min": min(lengths),
+                "num_output_tokens": self.num_output_tokens,
+                "num_distinct_prompt_tokens": self.num_distinct_prompt_tokens, "prompt_tokens_min": min(lengths),
                 "prompt_tokens_mean": round(sum(lengths) / len(lengths), 1), "prompt_tokens_max": max(lengths)}
 
 
@@ -94,12 +100,7 @@ def make_workload(tokenizer, num_requests: int, out: Path, seed: int = 0) -> dic
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    words: list[str] = []
-    for path in sorted(LICENSE_DIR.glob("*")):
-        if path.is_file():
-            words += path.read_text(encoding="utf-8", errors="ignore").split()
-    if not words:
-        raise InputError(f"no license texts in {LICENSE_DIR} to cut passages from (Debian's base-files has them)")
+    words = _license_words()
     rng = random.Random(seed)
     rows: dict[str, list] = {"id": [], "prompt": [], "max_new_tokens": [], "prompt_tokens": []}
     for i in range(num_requests):
@@ -114,3 +115,70 @@ def make_workload(tokenizer, num_requests: int, out: Path, seed: int = 0) -> dic
     pq.write_table(pa.table(rows), out)
     return {"num_requests": num_requests, "num_prompt_tokens": sum(rows["prompt_tokens"]),
             "num_output_tokens": sum(rows["max_new_tokens"])}
+
+
+QUESTIONS = ("What is the main subject of the text above?", "Which party does the text above protect most?",
+             "Quote one sentence of the text above that sets a condition.", "Is copying allowed by the text above?",
+             "Name one obligation the text above places on a distributor.", "What does the text above say about "
+             "warranty?", "Summarize the text above in one sentence.", "Which word of the text above is the rarest?")
+
+
+def make_shared_prefix(tokenizer, out: Path, num_prefixes: int = 8, prefix_tokens: int = 1000, questions: int = 40,
+                       seed: int = 0, max_new_tokens: tuple[int, int] = (16, 48)) -> dict[str, int]:
+    """A few-shot job: `num_prefixes` documents of about `prefix_tokens` tokens each (passages of the license
+    texts), each asked `questions` questions (the document first, the question after it, as a chat's user
+    message), rows shuffled; budgets uniform over `max_new_tokens`. Columns as make_workload's, and `prefix` (which
+    document). Returns its token counts, `num_distinct_prompt_tokens` among them (the prompts' tokens counted
+    once for every prefix they share: what a job computes at best)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    words = _license_words()
+    rng = random.Random(seed)
+    rows: dict[str, list] = {"id": [], "prompt": [], "max_new_tokens": [], "prompt_tokens": [], "prefix": []}
+    tokens: list[list[int]] = []
+    for p in range(num_prefixes):
+        num_words = max(1, int(prefix_tokens * 0.72))  # the license texts run ~1.4 tokens a word
+        start = rng.randrange(0, len(words) - num_words)
+        document = " ".join(words[start:start + num_words])
+        for q in range(questions):
+            question = f"{rng.choice(QUESTIONS)} (question {q + 1})"
+            text = chat_prompt(tokenizer, [{"role": "user", "content": f"{document}\n\n{question}"}])
+            rows["prompt"].append(text)
+            rows["max_new_tokens"].append(rng.randint(*max_new_tokens))
+            tokens.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+            rows["prompt_tokens"].append(len(tokens[-1]))
+            rows["prefix"].append(p)
+    order = list(range(len(tokens)))
+    rng.shuffle(order)
+    table = {name: [column[i] for i in order] for name, column in rows.items() if name != "id"}
+    table["id"] = [f"req-{i:05d}" for i in range(len(order))]
+    pq.write_table(pa.table(table), out)
+    return {"num_requests": len(order), "num_prompt_tokens": sum(rows["prompt_tokens"]),
+            "num_distinct_prompt_tokens": distinct_tokens(tokens), "num_output_tokens": sum(rows["max_new_tokens"])}
+
+
+def distinct_tokens(prompts: list[list[int]]) -> int:
+    """Tokens of `prompts` counted once for every prefix they share (the nodes of their trie)."""
+    ordered = sorted(prompts)
+    total = 0
+    previous: list[int] = []
+    for prompt in ordered:
+        common = 0
+        for a, b in zip(previous, prompt, strict=False):
+            if a != b:
+                break
+            common += 1
+        total += len(prompt) - common
+        previous = prompt
+    return total
+
+
+def _license_words() -> list[str]:
+    words: list[str] = []
+    for path in sorted(LICENSE_DIR.glob("*")):
+        if path.is_file():
+            words += path.read_text(encoding="utf-8", errors="ignore").split()
+    if not words:
+        raise InputError(f"no license texts in {LICENSE_DIR} to cut passages from (Debian's base-files has them)")
+    return words

@@ -241,6 +241,32 @@ def make_workload_cmd(num_requests: int, workload: Path, seed: int, model: str |
     _make_workload(num_requests, workload, seed, model)
 
 
+@bench.command("shared-prefix", context_settings=CONTEXT)
+@click.argument("workload", type=click.Path(path_type=Path))
+@click.option("--prefixes", type=click.IntRange(min=1), default=8, show_default=True, help="Documents.")
+@click.option("--prefix-tokens", type=click.IntRange(min=1), default=1000, show_default=True,
+              help="About how long each document is, in tokens.")
+@click.option("--questions", type=click.IntRange(min=1), default=40, show_default=True,
+              help="Questions asked of each document (one request each).")
+@SEED
+@MODEL
+def shared_prefix_cmd(workload: Path, prefixes: int, prefix_tokens: int, questions: int, seed: int,
+                      model: str | None) -> None:
+    """Write a few-shot workload to WORKLOAD (a Parquet file): documents that many requests share as their
+    prompts' prefix, rows shuffled.
+
+    \b
+    Example:
+      bulkgen bench shared-prefix fewshot.parquet --prefixes 8 --prefix-tokens 1000 --questions 40
+      bulkgen bench fewshot.parquet --compare bulkgen@fifo
+    """
+    resolved = resolve_model(model or default_model(), log=lambda m: click.echo(m, err=True))
+    counts = wl.make_shared_prefix(load_tokenizer(resolved.path), workload, prefixes, prefix_tokens, questions, seed)
+    click.echo(f"wrote {workload}: {counts['num_requests']} requests, {counts['num_prompt_tokens']:,} prompt tokens "
+               f"({counts['num_distinct_prompt_tokens']:,} distinct), {counts['num_output_tokens']:,} output tokens "
+               f"(seed {seed}, model {resolved.name})")
+
+
 def _make_workload(num_requests: int, workload: Path, seed: int, model: str | None) -> None:
     if num_requests < 1:
         raise click.UsageError("make-workload N needs N >= 1: bulkgen bench make-workload 256 w256.parquet")

@@ -9,6 +9,15 @@ of every token before it. A later sequence with the same prefix takes those bloc
 handed out again, so the free list doubles as an LRU cache: blocks are handed out from its front,
 and freed blocks join its back (a sequence's tail first, since tails are the least shared).
 
+Past the last full block a prompt shares, the prefix usually goes on into a block that differs further on (a
+document's last tokens, then each request's own question): where the layout has one group, a cached block that
+follows the same prefix and starts with the same tokens is found (`_partial`), and the new sequence's block is a copy
+of it (`take_copies`, done by the runner before the step's forward), its first tokens counted as computed. A whole
+block is copied: the slots past the shared tokens are written by the sequence before anything reads them.
+
+(Over 300 lines: the free list, the prefix cache, the partly shared blocks and the block tables share one set of
+reference counts and keys; split, each part would reach into the others' state.)
+
 Layers that attend differently hold their K/V in groups (KVLayout, after vLLM's hybrid KV cache
 manager): a block of the pool holds one block of tokens for each of a group's layers, and a sequence
 has a block table per group. A sliding-window group gives back the blocks that fell out of the
@@ -20,7 +29,7 @@ too: a cached prefix is taken only where every group still holds what the next t
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from bulkgen.engine.sequence import Sequence
@@ -77,12 +86,25 @@ class CachedPrefix:
 
     tables: list[list[int]]  # per group, the blocks taken (the null block before a sliding group's window)
     hashes: list[int]
+    # and the first `partial` tokens of the next block, copied from cached block `source` (one group only)
+    source: int = -1
+    partial: int = 0
 
     def __len__(self) -> int:
         return len(self.hashes)
 
+    def __bool__(self) -> bool:
+        return bool(self.hashes) or self.partial > 0
+
+    def num_tokens(self, block_size: int) -> int:
+        return len(self.hashes) * block_size + self.partial
+
 
 NO_PREFIX = CachedPrefix([], [])
+
+
+PARTIAL_MIN_TOKENS = 4  # the least a partly shared block must share to be copied (and its index's key)
+CHILDREN_KEPT = 8  # cached blocks remembered for each (prefix, first tokens): the latest
 
 
 def window_blocks(window: int, block_size: int) -> int:
@@ -107,6 +129,10 @@ class BlockManager:
         self._tokens: list[tuple[int, ...] | None] = [None] * num_blocks
         self._cached: dict[tuple[int, int], int] = {}  # (group, prefix hash) -> block id
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # (parent prefix hash, first tokens) -> the latest cached blocks after that prefix: (block id, prefix hash)
+        self._children: dict[tuple[int | None, tuple[int, ...]], deque[tuple[int, int]]] = {}
+        self._child_key: dict[int, tuple[int | None, tuple[int, ...]]] = {}  # a cached block's key there
+        self._copies: list[tuple[int, int]] = []  # (source, destination) blocks the runner copies before a step
 
     @property
     def num_groups(self) -> int:
@@ -153,8 +179,50 @@ class BlockManager:
         for length in range(len(hashes), 0, -1):
             tables = self._prefix_tables(seq, hashes, length)
             if tables is not None:
-                return CachedPrefix(tables, hashes[:length])
-        return NO_PREFIX
+                return self._partial(seq, CachedPrefix(tables, hashes[:length]))
+        return self._partial(seq, NO_PREFIX)
+
+    def _partial(self, seq: Sequence, full: CachedPrefix) -> CachedPrefix:
+        """`full`, and the longest start of the block after it that a cached block following the same prefix
+        holds (at most the tokens before the last: its logits are needed), where the layout has one group."""
+        if self.num_groups != 1 or self.layout.slides:
+            return full
+        bs, start = self.block_size, len(full) * self.block_size
+        most = min(bs - 1, seq.num_tokens - 1 - start)
+        if most < PARTIAL_MIN_TOKENS:
+            return full
+        parent = full.hashes[-1] if full else None
+        tokens = tuple(seq.token_ids[start:start + most])
+        best, source = 0, -1
+        for block_id, prefix_hash in self._children.get((parent, tokens[:PARTIAL_MIN_TOKENS]), ()):
+            held = self._tokens[block_id]
+            if self._key[block_id] != (0, prefix_hash) or held is None:
+                continue  # handed out since
+            common = PARTIAL_MIN_TOKENS
+            while common < most and held[common] == tokens[common]:
+                common += 1
+            if common > best:
+                best, source = common, block_id
+        if not best:
+            return full
+        return CachedPrefix(full.tables or [[]], full.hashes, source, best)
+
+    def prompt_hashes(self, seq: Sequence) -> list[int]:
+        """The prefix cache's keys of the prompt's full blocks (computed once a sequence)."""
+        if seq.prompt_hashes is None:
+            bs, ids, prefix_hash = self.block_size, seq.prompt_token_ids, None
+            seq.prompt_hashes = []
+            for i in range(len(ids) // bs):
+                prefix_hash = hash((prefix_hash, tuple(ids[i * bs:(i + 1) * bs])))
+                seq.prompt_hashes.append(prefix_hash)
+        return seq.prompt_hashes
+
+    def blocks_in_flight(self, seq: Sequence) -> list[int]:
+        """Keys of the prompt blocks `seq` holds or will compute but has not yet entered in the prefix cache (a
+        later sequence sharing them would compute them a second time)."""
+        if not self.enable_prefix_caching or seq.num_computed_tokens >= seq.num_prompt_tokens:
+            return []
+        return self.prompt_hashes(seq)[len(seq.block_hashes):]
 
     def _prefix_tables(self, seq: Sequence, hashes: list[int], length: int) -> list[list[int]] | None:
         bs = self.block_size
@@ -176,7 +244,7 @@ class BlockManager:
 
     def num_blocks_needed(self, seq: Sequence, num_new_tokens: int, cached: CachedPrefix = NO_PREFIX) -> int:
         """Blocks taken from the free list if `seq` computes `num_new_tokens` more tokens."""
-        num_computed = len(cached) * self.block_size if cached else seq.num_computed_tokens
+        num_computed = cached.num_tokens(self.block_size) if cached else seq.num_computed_tokens
         num_held = len(cached) if cached else len(seq.block_table)
         new = max(0, self.blocks_for(num_computed + num_new_tokens) - num_held) * self.num_groups
         revived = sum(1 for table in cached.tables for b in table if b != self.null_block and self.ref_counts[b] == 0)
@@ -202,13 +270,20 @@ class BlockManager:
                         self.ref_counts[block_id] += 1
                     table.append(block_id)
             seq.block_hashes = list(cached.hashes)
-            seq.num_computed_tokens = len(cached) * self.block_size
+            seq.num_computed_tokens = cached.num_tokens(self.block_size)
         for table in seq.block_tables:
             for _ in range(self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(table)):
                 block_id, _ = self._free.popitem(last=False)
                 self._forget(block_id)
                 self.ref_counts[block_id] = 1
                 table.append(block_id)
+        if cached.partial:
+            self._copies.append((cached.source, seq.block_table[len(cached)]))
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The (source, destination) blocks to copy before the next forward (partly shared blocks, `_partial`)."""
+        copies, self._copies = self._copies, []
+        return copies
 
     def free(self, seq: Sequence) -> None:
         """Release a sequence's blocks; full ones stay findable in the prefix cache until reused."""
@@ -245,6 +320,12 @@ class BlockManager:
                     self._key[block_id] = (g, prefix_hash)
                     self._tokens[block_id] = tokens
                     self._cached.setdefault((g, prefix_hash), block_id)
+                    if self.num_groups == 1 and not self.layout.slides:
+                        parent = seq.block_hashes[-1] if seq.block_hashes else None
+                        child_key = (parent, tokens[:PARTIAL_MIN_TOKENS])
+                        kept = self._children.setdefault(child_key, deque(maxlen=CHILDREN_KEPT))
+                        kept.append((block_id, prefix_hash))
+                        self._child_key[block_id] = child_key
             seq.block_hashes.append(prefix_hash)
 
     def _release(self, block_id: int) -> None:
@@ -259,3 +340,9 @@ class BlockManager:
             del self._cached[key]
         self._key[block_id] = None
         self._tokens[block_id] = None
+        kept = self._children.get(child_key := self._child_key.pop(block_id, None))  # (a full deque drops its oldest)
+        if kept is not None:
+            for entry in [e for e in kept if e[0] == block_id]:
+                kept.remove(entry)
+            if not kept:
+                del self._children[child_key]

@@ -119,6 +119,7 @@ class Engine:
         if scheduled.is_empty:
             return []
         masks = self.constraints.begin(scheduled.scheduled)  # JSON schemas' masks (grammar.py)
+        self.runner.kv.copy_blocks(self.block_manager.take_copies())  # partly shared prefixes' blocks
         logits, sampled_seqs = self.runner.execute(scheduled.scheduled)
         masks.apply(logits, sampled_seqs)
         return self._postprocess(scheduled, logits, sampled_seqs)

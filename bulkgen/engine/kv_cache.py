@@ -70,6 +70,13 @@ class KVCache:
         self.k_caches = [k_places[place] for place in layout.layer_places]  # one a layer
         self.v_caches = [self.tensor[1][place] for place in layout.layer_places]
 
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Each (source, destination): the destination block becomes a copy of the source, K and V of every layer
+        (block_manager: a partly shared prefix). Sources are read before any destination is written."""
+        if copies:
+            source, destination = (torch.tensor(ids, device=self.tensor.device) for ids in zip(*copies, strict=True))
+            self.tensor[:, :, destination] = self.tensor[:, :, source]
+
     @property
     def max_num_tokens(self) -> int:
         """Tokens of context the cache holds for every layer that attends to the whole context (all layers'

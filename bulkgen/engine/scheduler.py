@@ -6,7 +6,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from bulkgen.engine.block_manager import BlockManager
+from bulkgen.engine.block_manager import BlockManager, CachedPrefix
 from bulkgen.engine.sequence import Sequence, SequenceStatus
 
 
@@ -112,19 +112,31 @@ class Scheduler:
         self._finished_since_admission = False
         i = 0
         horizon: int | None = None  # steps until the blocked head of the queue can start
+        # A prompt block that a running sequence is still computing: a sequence whose next block it is waits for it
+        # to enter the prefix cache (a step or two of prefill) rather than compute it a second time beside it.
+        in_flight = {h for s in self.running for h in bm.blocks_in_flight(s)} if self.waiting else set()
+        holders: dict[int, int] | None = None  # block -> the most steps left of a running sequence holding it
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[i]
             # A backfill must end before the blocked head can start: that cheap test first.
             fits = horizon is None or self.admission.remaining_steps(seq) < horizon
+            shared = False
             if fits:
                 cached = bm.find_cached_prefix(seq)
-                num_new = min(seq.num_tokens - len(cached) * bm.block_size, budget)
-                fits = bm.can_allocate(seq, num_new, cached) and (
+                hashes = bm.prompt_hashes(seq) if in_flight else ()
+                # (the last token is always computed, so a block holding it is never taken from the cache)
+                shared = len(cached) < min(len(hashes), (seq.num_tokens - 1) // bm.block_size) \
+                    and hashes[len(cached)] in in_flight
+                num_new = min(seq.num_tokens - cached.num_tokens(bm.block_size), budget)
+                if cached and self.admission is not None and not bm.layout.slides:
+                    holders = self._holders() if holders is None else holders
+                    seq.num_shared_tokens = self._shared_tokens(seq, cached, holders)
+                fits = not shared and bm.can_allocate(seq, num_new, cached) and (
                     self.admission is None or self.admission.can_admit(seq, self.running))
             if not fits:
                 if i + 1 >= lookahead:
                     break
-                if horizon is None:
+                if horizon is None and not shared:
                     horizon = self.admission.earliest_start(seq, self.running)
                 i += 1
                 continue
@@ -134,9 +146,35 @@ class Scheduler:
                 seq.num_cached_tokens = seq.num_computed_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            in_flight.update(bm.blocks_in_flight(seq))
+            if holders is not None:
+                self._hold(holders, seq)
             out.scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
         return out
+
+    def _holders(self) -> dict[int, int]:
+        holders: dict[int, int] = {}
+        for seq in self.running:
+            self._hold(holders, seq)
+        return holders
+
+    def _hold(self, holders: dict[int, int], seq: Sequence) -> None:
+        steps = self.admission.remaining_steps(seq)
+        for block_id in seq.block_table:
+            if holders.get(block_id, -1) < steps:
+                holders[block_id] = steps
+
+    def _shared_tokens(self, seq: Sequence, cached: CachedPrefix, holders: dict[int, int]) -> int:
+        """The leading tokens of `seq`'s cached prefix whose blocks a running sequence holds that ends no sooner
+        than `seq` is expected to (a block deeper in a prefix has no more holders than one before it)."""
+        steps = self.admission.remaining_steps(seq)
+        shared = 0
+        for block_id in cached.tables[0]:
+            if holders.get(block_id, -1) < steps:
+                break
+            shared += 1
+        return shared * self.block_manager.block_size
 
     def update(self, out: SchedulerOutput) -> None:
         """After the model ran `out`: each scheduled sequence's computed tokens advance by what it was given,
@@ -165,6 +203,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
+        seq.num_shared_tokens = 0
         seq.status = SequenceStatus.PREEMPTED
         seq.num_preemptions += 1
         self.num_preemptions += 1

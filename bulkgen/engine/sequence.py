@@ -47,6 +47,10 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache at first admission
     block_tables: list[list[int]] = field(default_factory=lambda: [[]])  # one a group of layers (KVLayout)
     block_hashes: list[int] = field(default_factory=list)  # of the full, computed blocks
+    prompt_hashes: list[int] | None = None  # of the prompt's full blocks, as the prefix cache keys them (once)
+    # leading tokens whose blocks a running sequence that ends no sooner holds too: the packer's projection of KV
+    # use counts them there, once (Scheduler._shared_tokens)
+    num_shared_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     num_preemptions: int = 0
     error: str | None = None

@@ -21,6 +21,7 @@ from bulkgen.store.models import (
     pack_ids,
     utcnow,
 )
+from bulkgen.store.packings import prefix_order
 
 
 def new_job(session: Session, *, model: str, model_path: str, spec: dict[str, Any], name: str | None = None,
@@ -54,9 +55,24 @@ def insert_requests(session: Session, rows: list[dict[str, Any]]) -> None:
 
 
 def open_job(session: Session, job_id: int, num_requests: int) -> None:
-    """The last step of submit: the job becomes visible to workers."""
+    """The last step of submit: each pending request gets its place in the lpt order (`rank_requests`), and the job
+    becomes visible to workers."""
+    rank_requests(session, job_id)
     session.execute(update(Job).where(Job.id == job_id)
                     .values(status=JobStatus.QUEUED.value, num_requests=num_requests))
+
+
+def rank_requests(session: Session, job_id: int) -> None:
+    """Each pending request's lpt_rank: its place in the job's lpt order (most output tokens first, then the longest
+    prompt, then the latest submitted), requests that share a prompt prefix kept together (packings.prefix_order)."""
+    rows = session.execute(select(Request.id, Request.prompt_token_ids, Request.max_new_tokens,
+                                  Request.num_prompt_tokens)
+                           .where(Request.job_id == job_id, Request.state == RequestState.PENDING.value)).all()
+    if not rows:
+        return
+    ranked = prefix_order([(-r.max_new_tokens, -r.num_prompt_tokens, -r.id) for r in rows],
+                          [r.prompt_token_ids or b"" for r in rows])
+    session.execute(update(Request), [{"id": rows[i].id, "lpt_rank": rank} for rank, i in enumerate(ranked)])
 
 
 def delete_job(session: Session, job_id: int) -> None:

@@ -27,7 +27,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from bulkgen.store.packings import SORT_KEYS
+from bulkgen.store.packings import CLAIM_KEYS
 
 
 class Base(DeclarativeBase):
@@ -109,12 +109,12 @@ class Request(Base):
     __tablename__ = "requests"
     __table_args__ = (
         UniqueConstraint("job_id", "row", "sample", name="uq_requests_job_row_sample"),
-        # A claim reads a job's pending requests in its packing's order (packings.SORT_KEYS) and takes the
+        # A claim reads a job's pending requests in its packing's order (packings.CLAIM_KEYS) and takes the
         # first few: one index per order, built from its keys, makes that a short index walk instead of
-        # sorting every pending request (0.5 s a claim at 500,000 pending on PostgreSQL). lpt's, all
-        # descending, is walked backwards. fifo's also serves every (job, state) lookup.
+        # sorting every pending request (0.5 s a claim at 500,000 pending on PostgreSQL). fifo's also serves
+        # every (job, state) lookup.
         *(Index(f"ix_requests_claim_{name}", "job_id", "state", *(field for field, _ in keys), "id")
-          for name, keys in SORT_KEYS.items()),
+          for name, keys in CLAIM_KEYS.items()),
         Index("ix_requests_lease", "state", "lease_expires_at"),
     )
 
@@ -127,6 +127,9 @@ class Request(Base):
     prompt_token_ids: Mapped[bytes | None] = mapped_column(LargeBinary)  # see pack_ids
     num_prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
     max_new_tokens: Mapped[int] = mapped_column(Integer)  # the rest of sampling is the job's, unless params say
+    # its place in the job's lpt order, shared prefixes kept together (packings.prefix_order), given when the job
+    # opens (jobs.open_job)
+    lpt_rank: Mapped[int | None] = mapped_column(Integer)
     # A request's own settings, where its line gave them (OpenAI batch files): {"sampling": {field: value}
     # over the job's, "openai": {"url", "model"}}; None for rows of a table
     params: Mapped[dict[str, Any] | None] = mapped_column(JSON)

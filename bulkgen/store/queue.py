@@ -32,7 +32,7 @@ from bulkgen.store.models import (
     WorkerStatus,
     utcnow,
 )
-from bulkgen.store.packings import DEFAULT_PACKING, SORT_KEYS
+from bulkgen.store.packings import CLAIM_KEYS, DEFAULT_PACKING
 
 RUNNABLE_JOBS = (JobStatus.QUEUED.value, JobStatus.RUNNING.value)
 SHAPE_SAMPLE = 1024  # pending requests whose mean length sizes a claim
@@ -153,18 +153,19 @@ def dead_local_workers(session: Session) -> list[str]:
 def claim(session: Session, worker_id: str, job_ids: list[int], limit: int, lease_s: float,
           packing: str = DEFAULT_PACKING) -> list[ClaimedRequest]:
     """Lease up to `limit` pending requests of the given jobs (older jobs first), in the packer's order
-    (packings.SORT_KEYS: lpt, most output tokens first, then longest prompt, then latest submitted; sorted,
-    shortest prompt first; fifo, as submitted)."""
+    (packings.CLAIM_KEYS: lpt, by each request's lpt_rank: most output tokens first, then longest prompt, then
+    latest submitted, with requests that share a prompt prefix together; sorted, shortest prompt first; fifo, as
+    submitted)."""
     if limit <= 0 or not job_ids:
         return []
     query = (select(Request.id, Request.job_id, Request.row, Request.sample, Request.prompt_token_ids,
                     Request.max_new_tokens, Request.seed, Request.attempts, Request.params)
              .where(Request.job_id.in_(job_ids), Request.state == RequestState.PENDING.value))
     keys = [getattr(Request, field).desc() if descending else getattr(Request, field)
-            for field, descending in SORT_KEYS[packing]]
+            for field, descending in CLAIM_KEYS[packing]]
     # ties by id in the direction of the order's keys, so that its index (models.Request) serves it as it is
     # or walked backwards, without a sort
-    last = Request.id.desc() if SORT_KEYS[packing] and SORT_KEYS[packing][-1][1] else Request.id
+    last = Request.id.desc() if CLAIM_KEYS[packing] and CLAIM_KEYS[packing][-1][1] else Request.id
     query = query.order_by(Request.job_id, *keys, last).limit(limit)
     if session.bind.dialect.name == "postgresql":
         query = query.with_for_update(skip_locked=True, of=Request)
