@@ -117,5 +117,7 @@ def test_requests_queued_before_the_lpt_rank_are_ranked_as_their_claims_ordered_
     migrate.upgrade(engine)
     with engine.connect() as conn:
         ranks = conn.execute(text("SELECT job_id, row, lpt_rank FROM requests ORDER BY job_id, lpt_rank")).all()
+        ungrouped = conn.execute(text("SELECT COUNT(*) FROM requests WHERE lpt_group_end = lpt_rank + 1")).scalar()
+    assert ungrouped == 12, "no request of theirs is in a group"
     assert [(job, row) for job, row, _ in ranks] == [(job, row) for job in (1, 2) for row in (3, 1, 5, 2, 4, 0)]
     assert [rank for _, _, rank in ranks] == [0, 1, 2, 3, 4, 5] * 2

@@ -64,15 +64,18 @@ def open_job(session: Session, job_id: int, num_requests: int) -> None:
 
 def rank_requests(session: Session, job_id: int) -> None:
     """Each pending request's lpt_rank: its place in the job's lpt order (most output tokens first, then the longest
-    prompt, then the latest submitted), requests that share a prompt prefix kept together (packings.prefix_order)."""
+    prompt, then the latest submitted), requests that share a prompt prefix kept together (packings.prefix_order);
+    and its lpt_group_end, the rank past its innermost group (a claim takes a group whole)."""
     rows = session.execute(select(Request.id, Request.prompt_token_ids, Request.max_new_tokens,
                                   Request.num_prompt_tokens)
                            .where(Request.job_id == job_id, Request.state == RequestState.PENDING.value)).all()
     if not rows:
         return
+    ends: list[int] = []
     ranked = prefix_order([(-r.max_new_tokens, -r.num_prompt_tokens, -r.id) for r in rows],
-                          [r.prompt_token_ids or b"" for r in rows])
-    session.execute(update(Request), [{"id": rows[i].id, "lpt_rank": rank} for rank, i in enumerate(ranked)])
+                          [r.prompt_token_ids or b"" for r in rows], group_ends=ends)
+    session.execute(update(Request), [{"id": rows[i].id, "lpt_rank": rank, "lpt_group_end": ends[i]}
+                                      for rank, i in enumerate(ranked)])
 
 
 def delete_job(session: Session, job_id: int) -> None:

@@ -130,6 +130,7 @@ class Request(Base):
     # its place in the job's lpt order, shared prefixes kept together (packings.prefix_order), given when the job
     # opens (jobs.open_job)
     lpt_rank: Mapped[int | None] = mapped_column(Integer)
+    lpt_group_end: Mapped[int | None] = mapped_column(Integer)  # the rank past its innermost prefix group's last
     # A request's own settings, where its line gave them (OpenAI batch files): {"sampling": {field: value}
     # over the job's, "openai": {"url", "model"}}; None for rows of a table
     params: Mapped[dict[str, Any] | None] = mapped_column(JSON)

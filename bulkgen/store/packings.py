@@ -29,7 +29,8 @@ def ids_bytes(token_ids: Sequence[int]) -> bytes:
     return array("i", token_ids).tobytes()
 
 
-def prefix_order(keys: Sequence[Any], prompts: Sequence[bytes], min_shared: int = MIN_SHARED_TOKENS) -> list[int]:
+def prefix_order(keys: Sequence[Any], prompts: Sequence[bytes], min_shared: int = MIN_SHARED_TOKENS,
+                 group_ends: list[int] | None = None) -> list[int]:
     """The positions of requests in the order of their `keys`, except that requests whose prompts (token ids as
     `ids_bytes`) share a prefix of `min_shared` tokens more than the group around them form a group, which runs
     as one: its members back to back, in key order, at the place of its first member's key. Groups nest (a system
@@ -43,8 +44,13 @@ def prefix_order(keys: Sequence[Any], prompts: Sequence[bytes], min_shared: int 
     How: the prompts sorted as bytes put every set of prompts sharing a prefix in one run; the common prefixes of
     neighbours give the runs' tree (an LCP-interval tree, built with a stack in one pass); each node is closed
     bottom-up into its members' order, and kept as one group where its prefix is `min_shared` tokens longer than its
-    parent's, dissolved into its parent otherwise."""
+    parent's, dissolved into its parent otherwise.
+
+    group_ends, where given, is filled with each request's end of its innermost group: the place in the order just
+    past the group's last member (its own place + 1 where it is in no group), so that a claim can take a group
+    whole (queue.claim)."""
     n = len(keys)
+    innermost: list[list[int] | None] = [None] * n
     by_prompt = sorted(range(n), key=prompts.__getitem__)
     stack: list[tuple[int, list[tuple[Any, list[int]]]]] = [(0, [])]  # open nodes: (shared tokens, items)
     previous = None
@@ -55,7 +61,7 @@ def prefix_order(keys: Sequence[Any], prompts: Sequence[bytes], min_shared: int 
             while stack[-1][0] > shared:
                 depth, items = stack.pop()
                 items.extend(closed or ())
-                closed = _close(depth, items, max(stack[-1][0], shared), min_shared)
+                closed = _close(depth, items, max(stack[-1][0], shared), min_shared, innermost)
             if stack[-1][0] < shared:
                 stack.append((shared, closed if closed is not None else [stack[-1][1].pop()]))
             else:
@@ -66,18 +72,27 @@ def prefix_order(keys: Sequence[Any], prompts: Sequence[bytes], min_shared: int 
     while len(stack) > 1:
         depth, items = stack.pop()
         items.extend(closed or ())
-        closed = _close(depth, items, stack[-1][0], min_shared)
+        closed = _close(depth, items, stack[-1][0], min_shared, innermost)
     root = stack[0][1] + (closed or [])
     root.sort(key=lambda item: item[0])
-    return [i for _, members in root for i in members]
+    ordered = [i for _, members in root for i in members]
+    if group_ends is not None:
+        place = {i: rank for rank, i in enumerate(ordered)}
+        group_ends[:] = [place[group[-1]] + 1 if group is not None else place[i] + 1
+                         for i, group in enumerate(innermost)]
+    return ordered
 
 
-def _close(depth: int, items: list[tuple[Any, list[int]]], parent_depth: int,
-           min_shared: int) -> list[tuple[Any, list[int]]]:
+def _close(depth: int, items: list[tuple[Any, list[int]]], parent_depth: int, min_shared: int,
+           innermost: list[list[int] | None]) -> list[tuple[Any, list[int]]]:
     items.sort(key=lambda item: item[0])
     if depth - parent_depth < min_shared:
         return items
-    return [(items[0][0], [i for _, members in items for i in members])]
+    group = [i for _, members in items for i in members]
+    for i in group:
+        if innermost[i] is None:  # inner groups close first
+            innermost[i] = group
+    return [(items[0][0], group)]
 
 
 def _shared_tokens(a: bytes, b: bytes) -> int:

@@ -154,24 +154,34 @@ def claim(session: Session, worker_id: str, job_ids: list[int], limit: int, leas
           packing: str = DEFAULT_PACKING) -> list[ClaimedRequest]:
     """Lease up to `limit` pending requests of the given jobs (older jobs first), in the packer's order
     (packings.CLAIM_KEYS: lpt, by each request's lpt_rank: most output tokens first, then longest prompt, then
-    latest submitted, with requests that share a prompt prefix together; sorted, shortest prompt first; fifo, as
-    submitted)."""
+    latest submitted, with requests that share a prompt prefix together, a group taken whole; sorted, shortest prompt
+    first; fifo, as submitted)."""
     if limit <= 0 or not job_ids:
         return []
-    query = (select(Request.id, Request.job_id, Request.row, Request.sample, Request.prompt_token_ids,
-                    Request.max_new_tokens, Request.seed, Request.attempts, Request.params)
-             .where(Request.job_id.in_(job_ids), Request.state == RequestState.PENDING.value))
+    columns = (Request.id, Request.job_id, Request.row, Request.sample, Request.prompt_token_ids,
+               Request.max_new_tokens, Request.seed, Request.attempts, Request.params, Request.lpt_rank,
+               Request.lpt_group_end)
+    query = select(*columns).where(Request.job_id.in_(job_ids), Request.state == RequestState.PENDING.value)
     keys = [getattr(Request, field).desc() if descending else getattr(Request, field)
             for field, descending in CLAIM_KEYS[packing]]
     # ties by id in the direction of the order's keys, so that its index (models.Request) serves it as it is
     # or walked backwards, without a sort
     last = Request.id.desc() if CLAIM_KEYS[packing] and CLAIM_KEYS[packing][-1][1] else Request.id
     query = query.order_by(Request.job_id, *keys, last).limit(limit)
-    if session.bind.dialect.name == "postgresql":
+    locking = session.bind.dialect.name == "postgresql"
+    if locking:
         query = query.with_for_update(skip_locked=True, of=Request)
     rows = session.execute(query).all()
     if not rows:
         return []
+    end = rows[-1]
+    if packing == "lpt" and end.lpt_rank is not None and (end.lpt_group_end or 0) > end.lpt_rank + 1:
+        # the claim ends inside a group of requests that share a prefix: the rest of the group comes too (up to as
+        # many again), so that another worker does not compute the prefix a second time
+        rest = (select(*columns).where(Request.job_id == end.job_id, Request.state == RequestState.PENDING.value,
+                                       Request.lpt_rank > end.lpt_rank, Request.lpt_rank < end.lpt_group_end)
+                .order_by(Request.job_id, Request.lpt_rank, Request.id).limit(limit))
+        rows += session.execute(rest.with_for_update(skip_locked=True, of=Request) if locking else rest).all()
     now = utcnow()
     ids = [r.id for r in rows]
     session.execute(update(Request).where(Request.id.in_(ids)).values(
