@@ -33,7 +33,7 @@ from bulkgen.io.export import RESULT_SCHEMA, export_job
 from bulkgen.io.rows import check_columns
 from bulkgen.jobspec import JobSpec, build_spec
 from bulkgen.outage import open_store_waiting
-from bulkgen.packing import admission_for
+from bulkgen.packing import admission_for, order
 from bulkgen.prompts import PromptRenderer
 from bulkgen.resolve import default_model, resolve_model
 from bulkgen.store import jobs as job_ops
@@ -208,6 +208,7 @@ class Generate:
                             sampling=SamplingParams.from_dict({"seed": 0, **(sampling or {})}))
         resolved = resolve_model(self.spec.model)
         self.renderer = PromptRenderer(self.spec, resolved.path)
+        self.packing = packing
         self.engine = Engine(resolved.path, EngineConfig.from_options(engine or {}), tokenizer=self.renderer.tokenizer,
                              admission=admission_for(packing, True))
 
@@ -218,6 +219,7 @@ class Generate:
                                         pa.RecordBatch.from_pylist([], schema=table.schema), first_row=0)
         out: dict[str, list[Any]] = {name: [None] * table.num_rows for name in OUTPUT_COLUMNS}
         job = self.spec.sampling
+        entries = []
         for row in rows:
             i = row["row"]
             out["num_prompt_tokens"][i] = row["num_prompt_tokens"]
@@ -226,9 +228,13 @@ class Generate:
                 continue
             ids = unpack_ids(row["prompt_token_ids"])
             # the seed follows the prompt, not its place in a batch that Ray cut
-            self.engine.add(i, ids, request_sampling(job, (row["params"] or {}).get("sampling"),
+            entries.append((i, ids, request_sampling(job, (row["params"] or {}).get("sampling"),
                                                      max_new_tokens=row["max_new_tokens"],
-                                                     seed=request_seed(job.seed, ids)))
+                                                     seed=request_seed(job.seed, ids))))
+        # in the packer's order, as a worker claims them (lpt: shared prompt prefixes together)
+        for i, ids, params in order(entries, self.packing, prompt_len=lambda e: len(e[1]),
+                                    max_new=lambda e: e[2].max_new_tokens, prompt_ids=lambda e: e[1]):
+            self.engine.add(i, ids, params)
         while self.engine.has_unfinished():
             for result in self.engine.step():
                 i = result.request_id
