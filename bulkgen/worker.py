@@ -177,7 +177,7 @@ class Worker:
                 totals = q.queue_totals(session, [job.id for job in jobs])
                 self._progress = Progress(totals.num_requests, totals.num_done, totals.budget_left,
                                           enabled=self.options.progress, log_every_s=self.options.log_every,
-                                          exact=all(_runs_to_budget(job.spec) for job in jobs))
+                                          exact=all(runs_to_budget(job.spec) for job in jobs))
         return jobs
 
     def _serve(self, jobs: list[Job]) -> int:
@@ -473,7 +473,7 @@ def _default_engine(model_path: str, config: EngineConfig, kv_admission: bool = 
     return Engine(model_path, config, admission=admission_for(packing, kv_admission))
 
 
-def _runs_to_budget(spec: dict[str, Any]) -> bool:
+def runs_to_budget(spec: dict[str, Any]) -> bool:
     """Whether every request of a job generates exactly its budget (--ignore-eos and nothing else ends it: no stop,
     no schema, no line of an OpenAI batch file with its own stop): the progress's ETA is then exact, not "<="."""
     return SamplingParams.from_dict(spec["sampling"]).runs_to_budget and spec.get("input_format") != "openai" \

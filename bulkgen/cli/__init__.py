@@ -14,7 +14,7 @@ COMMANDS = {
     "submit": "bulkgen.cli.jobs:submit", "list": "bulkgen.cli.jobs:list_jobs", "status": "bulkgen.cli.jobs:status",
     "cancel": "bulkgen.cli.jobs:cancel", "retry": "bulkgen.cli.jobs:retry", "run": "bulkgen.cli.run:run",
     "export": "bulkgen.cli.export:export", "bench": "bulkgen.cli.bench:bench", "db": "bulkgen.cli.db:db",
-    "report": "bulkgen.cli.report:report",
+    "report": "bulkgen.cli.report:report", "plan": "bulkgen.cli.plan:plan",
 }
 
 

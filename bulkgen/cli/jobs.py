@@ -13,7 +13,9 @@ from typing import Any
 import click
 from tqdm import tqdm
 
+from bulkgen import plan as planner
 from bulkgen.cli.options import CONTEXT, JOB_ID, JobCommand, db_option, emit_json, json_option
+from bulkgen.config import EngineConfig
 from bulkgen.io.rows import INPUT_FORMATS
 from bulkgen.jobspec import build_spec
 from bulkgen.progress import eta_s, format_duration
@@ -21,6 +23,7 @@ from bulkgen.store import jobs as job_ops
 from bulkgen.store import runs
 from bulkgen.store.db import open_store
 from bulkgen.store.models import FINAL_JOB_STATES, JobStatus
+from bulkgen.store.packings import DEFAULT_PACKING
 from bulkgen.submission import submit_job
 
 
@@ -60,9 +63,11 @@ from bulkgen.submission import submit_job
 @click.option("--input-format", type=click.Choice(INPUT_FORMATS),
               help="What the input file is. Default auto: .parquet, .jsonl/.ndjson, .csv by name (else by its "
                    "first bytes); a JSONL file of OpenAI batch requests is read as one.")
+@click.option("--plan", "with_plan", is_flag=True,
+              help="Then predict the run on this machine with run's default options (as `bulkgen plan JOB`).")
 @json_option
 @db_option
-def submit(source: Path, as_json: bool, db_url: str, **options: Any) -> None:
+def submit(source: Path, as_json: bool, db_url: str, with_plan: bool, **options: Any) -> None:
     """Submit a Parquet, JSONL or CSV file of rows (or a job file, jobs/*.toml) as a job.
 
     Checks the file, its columns and every flag before writing anything. A bad row (null or empty
@@ -80,12 +85,18 @@ def submit(source: Path, as_json: bool, db_url: str, **options: Any) -> None:
     store = open_store(db_url)
     with RowProgress("submit", unit="rows", enabled=not as_json) as advance:
         report = submit_job(store, spec, log=lambda m: click.echo(m, err=True), on_rows=advance)
+    prediction = None
+    if with_plan and report.num_requests > report.num_failed:
+        _, (prediction,), _ = planner.plan_job(store, report.job_id, [(EngineConfig(), DEFAULT_PACKING)],
+                                               log=lambda m: click.echo(m, err=True))
     if as_json:
-        emit_json(report.to_dict())
+        emit_json({**report.to_dict(), **({"plan": prediction.to_dict()} if prediction else {})})
         return
     failed = f", {report.num_failed:,} refused (see `bulkgen status {report.job_id}`)" if report.num_failed else ""
     click.echo(f"job {report.job_id}: {report.num_requests:,} requests from {report.num_rows:,} rows{failed}; "
                f"{report.num_prompt_tokens:,} prompt tokens; submitted in {report.seconds:.1f} s")
+    if prediction is not None:
+        click.echo(f"plan (this machine, run's default options): {planner.describe(prediction)}")
     click.echo(f"next: bulkgen run {report.job_id}")
 
 

@@ -101,9 +101,9 @@ def emit_json(data: Any) -> None:
     click.echo(json.dumps(data, indent=2, default=str))
 
 
-def engine_options(func: Callable) -> Callable:
-    """Engine limits shared by `run` and `bench`; each option's name is its EngineConfig field's, and its
-    default the field's own."""
+def engine_options(func: Callable, without: tuple[str, ...] = ()) -> Callable:
+    """Engine limits shared by `run`, `bench` and `plan`; each option's name is its EngineConfig field's, and its
+    default the field's own (`without`: flags a command spells its own way, as `plan`'s lists of candidates)."""
     default = EngineConfig()
     options = [
         click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default=default.dtype,
@@ -149,8 +149,15 @@ def engine_options(func: Callable) -> Callable:
                           "(1, 2, 4, ... --max-num-seqs)."),
     ]
     for option in reversed(options):
-        func = option(func)
+        if not any(name in without for name in _flag_names(option)):
+            func = option(func)
     return func
+
+
+def _flag_names(option: Callable) -> tuple[str, ...]:
+    """The flags a click.option decorator declares (read off a throwaway command)."""
+    command = option(click.command()(lambda **_: None))
+    return tuple(name for param in command.params for name in param.opts)
 
 
 ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig))

@@ -1,0 +1,296 @@
+"""`bulkgen plan`: what a job will cost on this machine before it runs: wall time, output tokens, prompt tokens
+computed after prefix reuse, peak KV blocks and mean batch, for the engine options given and for candidates of
+--max-num-seqs, --kv-cache-memory and --packing.
+
+bulkgen knows every request of a job before it starts (its prompt's token ids and its budget) and its scheduler
+runs without a model, so the plan replays the real one: the packer's order and claims (`packing.order`,
+`claim_target`), the KV admission, the block manager with its prefix cache, chunked prefill, step by step, each
+step's time from a cost model of this machine and model (`StepCost`: seconds = a + b * decode tokens + c * prompt
+tokens + d * tokens attended + e * prompt tokens times their context, fitted by least squares, no coefficient below
+0, on about 10-30 s of real steps over synthetic prompts; and the engine's load; cached per machine, model and
+options in the user cache, like the kernel race).
+
+What the replay cannot know: where a request without --ignore-eos meets its EOS. Its budget is used (an upper
+bound: the plan says "<="), scaled by the share of their budgets that the job's finished requests used where some
+have finished.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import random
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import func, select
+
+from bulkgen.config import EngineConfig, Paths, SamplingParams
+from bulkgen.engine.block_manager import BlockManager, KVLayout
+from bulkgen.engine.scheduler import Scheduler
+from bulkgen.engine.sequence import Sequence, SequenceStatus
+from bulkgen.errors import InputError
+from bulkgen.packing import admission_for, claim_target, order
+from bulkgen.progress import format_duration
+from bulkgen.store import jobs as job_ops
+from bulkgen.store.models import Request, RequestState, Result, unpack_ids
+from bulkgen.worker import runs_to_budget
+
+COST_VERSION = 2  # bump when the calibration changes: cached costs of other versions are measured again
+OUTPUT_TOKEN = 1 << 30  # output tokens of the replay: ids no prompt holds, so that they share no prefix
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Seconds of one engine step, and of loading the engine, on the machine it was measured on."""
+
+    base: float
+    per_decode: float  # a sequence's decode token (its row in the linear layers, its sampling)
+    per_prefill: float  # a prompt token computed
+    per_context: float  # a token of KV read by the step's attention
+    per_prefill_attention: float  # a prompt token against a token of its context (prefill attention is quadratic)
+    load_s: float  # Engine() for this model and these options, its warm-up included
+    num_blocks: int  # the KV blocks the engine had with these options
+    block_bytes: int  # one block's bytes (to size candidates of --kv-cache-memory)
+    layout_windows: tuple[int, ...] = (0,)  # per layer: its sliding window (0: full attention)
+    num_layers: int = 1
+    max_model_len: int = 2048
+
+    def blocks_for(self, config: EngineConfig) -> int:
+        """The KV blocks an engine with `config` would have (kv_cache.KVCache's rule, without allocating it)."""
+        if config.kv_cache_memory is not None:
+            return max(config.kv_cache_memory // self.block_bytes - 1, 1)
+        groups = KVLayout.of(self.num_layers, self.layout_windows).num_groups
+        per_seq = -(-self.max_model_len // config.block_size) * groups
+        return min(self.num_blocks, config.max_num_seqs * per_seq + 4 * groups)
+
+    def seconds(self, decode: int, prefill: int, context: int, prefill_attention: int) -> float:
+        return self.base + self.per_decode * decode + self.per_prefill * prefill + self.per_context * context + \
+            self.per_prefill_attention * prefill_attention
+
+
+@dataclass(frozen=True)
+class PlannedRequest:
+    prompt_token_ids: list[int]
+    max_new_tokens: int  # what it is expected to generate (its budget, or the budget scaled by the EOS share)
+
+
+@dataclass
+class Prediction:
+    seconds: float
+    output_tokens: int
+    prompt_tokens_computed: int
+    peak_kv_blocks: int
+    mean_batch: float
+    steps: int
+    max_num_seqs: int
+    kv_cache_blocks: int
+    packing: str
+    upper_bound: bool  # some request may end at its EOS before its budget: the figures are at most these
+
+    def to_dict(self) -> dict[str, Any]:
+        return {key: round(value, 2) if isinstance(value, float) else value for key, value in asdict(self).items()}
+
+
+def replay(requests: list[PlannedRequest], config: EngineConfig, cost: StepCost, num_blocks: int,
+           packing: str, kv_admission: bool = True, upper_bound: bool = False) -> Prediction:
+    """The job run through the real scheduler without a model: a worker's claims (in the packer's order, as many
+    as `claim_target` says), the KV admission, the prefix cache; each step timed by `cost`."""
+    layout = KVLayout.of(cost.num_layers, cost.layout_windows)
+    bm = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, layout,
+                      null_block=num_blocks if layout.slides else None)
+    make = admission_for(packing, kv_admission)
+    admission = make(num_blocks, config.block_size, layout.group_windows) if make else None
+    scheduler = Scheduler(bm, config.max_num_seqs, config.max_num_batched_tokens, admission)
+    queue = deque(order(list(range(len(requests))), packing,
+                        prompt_len=lambda i: len(requests[i].prompt_token_ids),
+                        max_new=lambda i: requests[i].max_new_tokens,
+                        prompt_ids=lambda i: requests[i].prompt_token_ids))
+    kv_tokens = num_blocks * config.block_size // max(layout.num_full_groups, 1)
+    mean = sum(len(r.prompt_token_ids) + r.max_new_tokens for r in requests) / max(len(requests), 1)
+    target = claim_target(config.max_num_seqs, kv_tokens, _Shape(len(requests), 0, mean, 1))
+    seconds, steps, batch, computed, peak, outputs = cost.load_s, 0, 0, 0, 0, 0
+    while queue or scheduler.has_unfinished():
+        while queue and len(scheduler.waiting) + len(scheduler.running) < target:
+            i = queue.popleft()
+            scheduler.add(Sequence(i, requests[i].prompt_token_ids,
+                                   SamplingParams(max_new_tokens=max(requests[i].max_new_tokens, 1), ignore_eos=True)))
+        out = scheduler.schedule()
+        if out.is_empty:
+            raise RuntimeError("the replay's scheduler admitted nothing: a request larger than the KV cache")
+        bm.take_copies()
+        features = step_features(out, before=True)
+        scheduler.update(out)
+        steps += 1
+        batch += len(out.scheduled)
+        peak = max(peak, bm.num_blocks - bm.num_free_blocks)
+        computed += features[1]
+        seconds += cost.seconds(*features)
+        for s in out.scheduled:
+            seq = s.seq
+            if seq.num_computed_tokens < seq.num_tokens:
+                continue  # a prompt still in chunks: nothing sampled yet
+            seq.append_token(OUTPUT_TOKEN + outputs)
+            outputs += 1
+            if seq.num_output_tokens >= seq.params.max_new_tokens:
+                scheduler.finish(seq, SequenceStatus.FINISHED_LENGTH)
+    return Prediction(seconds, outputs, computed, peak, batch / max(steps, 1), steps, config.max_num_seqs,
+                      num_blocks, packing, upper_bound)
+
+
+@dataclass
+class _Shape:  # packing.QueueShape of the whole job, one worker
+    num_pending: int
+    num_running: int
+    mean_tokens: float
+    num_live_workers: int
+
+
+def calibrate(model_path: str | Path, config: EngineConfig, log: Any = None) -> StepCost:
+    """The step cost of this machine for this model and these options: measured once (about 10-30 s of real
+    steps over synthetic prompts of a few shapes), then read from the user cache."""
+    path = _cost_path(model_path, config)
+    if path.is_file():
+        try:
+            data = json.loads(path.read_text())
+            data["layout_windows"] = tuple(data["layout_windows"])
+            return StepCost(**data)
+        except (ValueError, TypeError, KeyError):
+            pass  # a cache of another version: measured again
+    if log:
+        log(f"bulkgen plan: measuring this machine's step times for {Path(model_path).name} (once; cached in "
+            f"{path.parent})")
+    cost = _measure(model_path, replace(config, kv_cache_memory=None, max_num_seqs=EngineConfig().max_num_seqs))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(asdict(cost)))
+    os.replace(tmp, path)
+    return cost
+
+
+def _cost_path(model_path: str | Path, config: EngineConfig) -> Path:
+    cpu = ""
+    try:
+        cpu = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        pass
+    # candidates of these are replayed, not measured
+    options = {k: v for k, v in asdict(config).items() if k not in ("max_num_seqs", "kv_cache_memory")}
+    key = json.dumps([COST_VERSION, str(Path(model_path).resolve()), platform.machine(), os.cpu_count(),
+                      os.environ.get("BULKGEN_KERNEL_CFLAGS", ""), cpu, repr(sorted(options.items()))])
+    return Paths().cache_dir / "plan" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
+def _measure(model_path: str | Path, config: EngineConfig) -> StepCost:
+    import numpy as np
+
+    from bulkgen.engine.engine import Engine  # here: the replay needs no torch
+
+    # the load as a run pays it: the weights, the kernels (raced and built the first time on a machine, which a
+    # later run reads from the cache: the plan then counts a few seconds too many), zeroing the KV cache
+    start = time.perf_counter()
+    engine = Engine(model_path, config)
+    engine.stats.keep_steps = True
+    list(engine.generate([[100, 101, 102, 103]], SamplingParams(max_new_tokens=2, ignore_eos=True)))
+    load_s = time.perf_counter() - start
+    features: list[list[float]] = []  # of each step the scheduler made, as the replay counts them
+    schedule = engine.scheduler.schedule
+
+    def recording() -> Any:
+        out = schedule()
+        if not out.is_empty:
+            features.append(list(step_features(out, before=True)))
+        return out
+
+    engine.scheduler.schedule = recording
+    rng = random.Random(0)
+    vocab, longest = engine.runner.shape.vocab, min(1024, engine.max_model_len - 16)
+    rows: list[list[float]] = []
+    times: list[float] = []
+    # a few batches and contexts: small and large decode batches, short and long prompts (prefill in chunks)
+    for num, length, new in ((4, 256, 24), (32, 128, 16), (min(128, config.max_num_seqs), 64, 12), (8, longest, 12)):
+        prompts = [[rng.randrange(100, max(vocab, 200)) for _ in range(min(length, longest))] for _ in range(num)]
+        engine.stats.steps.clear()
+        features.clear()
+        list(engine.generate(prompts, SamplingParams(max_new_tokens=new, ignore_eos=True)))
+        steps = engine.stats.steps
+        for k in range(1, len(steps)):
+            rows.append([1.0, *features[k]])
+            times.append(steps[k].time - steps[k - 1].time)
+    engine.scheduler.schedule = schedule
+    coefficients = _nonnegative_fit(np.array(rows), np.array(times))
+    kv, shape = engine.runner.kv, engine.runner.shape
+    return StepCost(*coefficients, load_s, engine.block_manager.num_blocks, kv.num_bytes // max(kv.tensor.shape[2], 1),
+                    tuple(engine.runner.windows or (0,) * shape.num_layers), shape.num_layers, engine.max_model_len)
+
+
+def step_features(out: Any, before: bool) -> tuple[int, int, int, int]:
+    """(decode tokens, prefill tokens, tokens attended, prefill attention: each chunk's tokens times its context)
+    of a scheduler's step; `before`: the sequences' computed tokens do not yet count this step's."""
+    decode = prefill = context = prefill_attention = 0
+    for s in out.scheduled:
+        computed = s.seq.num_computed_tokens - (0 if before else s.num_new_tokens)
+        context += computed + s.num_new_tokens
+        if s.num_new_tokens == 1 and s.seq.num_output_tokens > 0:
+            decode += 1
+        else:
+            prefill += s.num_new_tokens
+            prefill_attention += s.num_new_tokens * (computed + s.num_new_tokens // 2)
+    return decode, prefill, context, prefill_attention
+
+
+def _nonnegative_fit(x: Any, y: Any) -> list[float]:
+    """Least squares with every coefficient >= 0 (a cost cannot be negative): the negative ones dropped, refitted."""
+    import numpy as np
+
+    keep = list(range(x.shape[1]))
+    while True:
+        fit, *_ = np.linalg.lstsq(x[:, keep], y, rcond=None)
+        if (fit >= 0).all() or len(keep) == 1:
+            coefficients = [0.0] * x.shape[1]
+            for i, value in zip(keep, fit, strict=True):
+                coefficients[i] = max(float(value), 0.0)
+            return coefficients
+        keep = [i for i, value in zip(keep, fit, strict=True) if value >= 0] or keep[:1]
+
+
+def job_requests(store: Any, job_id: int) -> tuple[Any, list[PlannedRequest], bool]:
+    """A job's pending requests as the replay takes them, its row, and whether the figures are an upper bound:
+    a request that may meet its EOS counts its budget, scaled by the share of their budgets that the job's
+    finished requests used once some have (then an estimate, not a bound)."""
+    with store.session_scope() as session:
+        job = job_ops.get_job(session, job_id)
+        rows = session.execute(select(Request.prompt_token_ids, Request.max_new_tokens)
+                               .where(Request.job_id == job_id, Request.state == RequestState.PENDING.value)
+                               .order_by(Request.id)).all()
+        used, budget = session.execute(select(func.sum(Result.num_output_tokens), func.sum(Request.max_new_tokens))
+                                       .join(Request, Request.id == Result.request_id)
+                                       .where(Result.job_id == job_id)).one()
+    exact = runs_to_budget(job.spec)
+    share = 1.0 if exact or not budget else min(1.0, (used or 0) / budget)
+    requests = [PlannedRequest(unpack_ids(r.prompt_token_ids), max(1, round(r.max_new_tokens * share))) for r in rows]
+    return job, requests, not exact and not budget
+
+
+def plan_job(store: Any, job_id: int, configs: list[tuple[EngineConfig, str]], kv_admission: bool = True,
+             log: Any = None) -> tuple[StepCost, list[Prediction], int]:
+    """Predictions for a job's pending requests, one for each (engine options, packing); the step cost they used;
+    and how many requests were planned. InputError where nothing is pending."""
+    job, requests, upper = job_requests(store, job_id)
+    if not requests:
+        raise InputError(f"job {job_id} has no pending requests to plan")
+    cost = calibrate(job.model_path, configs[0][0], log=log)
+    return cost, [replay(requests, config, cost, cost.blocks_for(config), packing, kv_admission, upper)
+                  for config, packing in configs], len(requests)
+
+
+def describe(prediction: Prediction) -> str:
+    """One line: the predicted time and what it does."""
+    bound = "<= " if prediction.upper_bound else "about "
+    return (f"{bound}{format_duration(prediction.seconds)}, {prediction.output_tokens:,} output tokens, "
+            f"{prediction.prompt_tokens_computed:,} prompt tokens computed, mean batch {prediction.mean_batch:.1f}")
