@@ -13,6 +13,9 @@ options in the user cache, like the kernel race).
 What the replay cannot know: where a request without --ignore-eos meets its EOS. Its budget is used (an upper
 bound: the plan says "<="), scaled by the share of their budgets that the job's finished requests used where some
 have finished.
+
+(Over 300 lines: the replay, the calibration it is timed by and the job's requests it reads are one prediction,
+kept together so that what the replay counts and what the calibration measures stay the same features.)
 """
 
 from __future__ import annotations
@@ -22,15 +25,16 @@ import json
 import os
 import platform
 import random
-import time
+import subprocess
+import sys
 from collections import deque
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 
-from bulkgen.config import EngineConfig, Paths, SamplingParams
+from bulkgen.config import EngineConfig, Paths, SamplingParams, format_size
 from bulkgen.engine.block_manager import BlockManager, KVLayout
 from bulkgen.engine.scheduler import Scheduler
 from bulkgen.engine.sequence import Sequence, SequenceStatus
@@ -38,7 +42,7 @@ from bulkgen.errors import InputError
 from bulkgen.packing import admission_for, claim_target, order
 from bulkgen.progress import format_duration
 from bulkgen.store import jobs as job_ops
-from bulkgen.store.models import Request, RequestState, Result, unpack_ids
+from bulkgen.store.models import Job, Request, RequestState, Result, iso_utc, unpack_ids, utcnow
 from bulkgen.worker import runs_to_budget
 
 COST_VERSION = 2  # bump when the calibration changes: cached costs of other versions are measured again
@@ -191,13 +195,9 @@ def _measure(model_path: str | Path, config: EngineConfig) -> StepCost:
 
     from bulkgen.engine.engine import Engine  # here: the replay needs no torch
 
-    # the load as a run pays it: the weights, the kernels (raced and built the first time on a machine, which a
-    # later run reads from the cache: the plan then counts a few seconds too many), zeroing the KV cache
-    start = time.perf_counter()
-    engine = Engine(model_path, config)
+    engine = Engine(model_path, config)  # the first on a machine races and builds the kernels (then cached)
     engine.stats.keep_steps = True
     list(engine.generate([[100, 101, 102, 103]], SamplingParams(max_new_tokens=2, ignore_eos=True)))
-    load_s = time.perf_counter() - start
     features: list[list[float]] = []  # of each step the scheduler made, as the replay counts them
     schedule = engine.scheduler.schedule
 
@@ -224,9 +224,32 @@ def _measure(model_path: str | Path, config: EngineConfig) -> StepCost:
             times.append(steps[k].time - steps[k - 1].time)
     engine.scheduler.schedule = schedule
     coefficients = _nonnegative_fit(np.array(rows), np.array(times))
+    load_s = _load_seconds(model_path, config)
     kv, shape = engine.runner.kv, engine.runner.shape
     return StepCost(*coefficients, load_s, engine.block_manager.num_blocks, kv.num_bytes // max(kv.tensor.shape[2], 1),
                     tuple(engine.runner.windows or (0,) * shape.num_layers), shape.num_layers, engine.max_model_len)
+
+
+LOAD_SCRIPT = """
+import json, sys, time
+start = time.perf_counter()
+from bulkgen.config import EngineConfig, SamplingParams
+from bulkgen.engine.engine import Engine
+engine = Engine(sys.argv[1], EngineConfig(**json.loads(sys.argv[2])))
+list(engine.generate([[100, 101, 102, 103]], SamplingParams(max_new_tokens=2, ignore_eos=True)))
+print(time.perf_counter() - start)
+"""
+
+
+def _load_seconds(model_path: str | Path, config: EngineConfig) -> float:
+    """The engine's load as a run pays it, in a process of its own (imports, weights, kernels from the cache,
+    zeroing the KV cache): in this one, what the calibration loaded is warm."""
+    result = subprocess.run([sys.executable, "-c", LOAD_SCRIPT, str(model_path), json.dumps(asdict(config))],
+                            capture_output=True, text=True, check=False)
+    try:
+        return float(result.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        raise RuntimeError(f"bulkgen plan: timing the engine's load failed: {result.stderr.strip()[-500:]}") from None
 
 
 def step_features(out: Any, before: bool) -> tuple[int, int, int, int]:
@@ -285,8 +308,17 @@ def plan_job(store: Any, job_id: int, configs: list[tuple[EngineConfig, str]], k
     if not requests:
         raise InputError(f"job {job_id} has no pending requests to plan")
     cost = calibrate(job.model_path, configs[0][0], log=log)
-    return cost, [replay(requests, config, cost, cost.blocks_for(config), packing, kv_admission, upper)
-                  for config, packing in configs], len(requests)
+    predictions = [replay(requests, config, cost, cost.blocks_for(config), packing, kv_admission, upper)
+                   for config, packing in configs]
+    config, packing = configs[0]
+    with store.session_scope(write=True) as session:  # the report holds it against the run
+        session.execute(update(Job).where(Job.id == job_id).values(plan={
+            "predicted": predictions[0].to_dict(), "engine_load_s": round(cost.load_s, 2), "at": iso_utc(utcnow()),
+            "num_requests": len(requests),
+            "options": {"max_num_seqs": config.max_num_seqs,
+                        "kv_cache_memory": format_size(config.kv_cache_memory) if config.kv_cache_memory else None,
+                        "packing": packing, "dtype": config.dtype, "quantization": config.quantization}}))
+    return cost, predictions, len(requests)
 
 
 def describe(prediction: Prediction) -> str:

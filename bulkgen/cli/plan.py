@@ -78,7 +78,7 @@ def plan(job_id: int, max_num_seqs: str | None, kv_cache_memory: str | None, pac
                                                        log=lambda m: click.echo(m, err=True))
     upper = predictions[0].upper_bound
     if as_json:
-        emit_json({**predictions[0].to_dict(), "job_id": job_id,
+        emit_json({**predictions[0].to_dict(), "job_id": job_id, "engine_load_s": round(cost.load_s, 2),
                    **({"candidates": [p.to_dict() for p in predictions]} if len(predictions) > 1 else {})})
         return
     bound = "<= " if upper else ""

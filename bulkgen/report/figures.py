@@ -70,8 +70,24 @@ def job_report(session: Session, job_id: int, num_examples: int = NUM_EXAMPLES) 
         "json_schema": schema_validity(session, job_id, job.spec.get("sampling", {}).get("json_schema"),
                                        job.spec.get("json_schema_column")),
         "examples": examples(session, job_id, num_examples),
+        "plan": plan_against_run(job, summary, samples),
         "is_final": job.status in FINAL_JOB_STATES,
     }
+
+
+def plan_against_run(job: Any, summary: dict[str, Any], samples: list[Any]) -> dict[str, Any] | None:
+    """The job's latest `bulkgen plan` (plan.py) beside what its runs did: time from the first claim to the last
+    commit (the plan's seconds less the engine's load it counted), output tokens, prompt tokens computed and mean
+    batch (the run samples'); None where it was never planned."""
+    if not job.plan:
+        return None
+    steps = sum(s.num_steps for s in samples)
+    actual = {"seconds": summary["elapsed_s"], "output_tokens": summary["num_output_tokens"],
+              "prompt_tokens_computed": int(sum(s.num_prompt_tokens for s in samples)) if samples else None,
+              "mean_batch": round(sum(s.mean_running * s.num_steps for s in samples) / steps, 2) if steps else None}
+    predicted = job.plan["predicted"]
+    run_s = max(predicted["seconds"] - job.plan.get("engine_load_s", 0.0), 0.0)
+    return {**job.plan, "predicted_run_s": round(run_s, 1), "actual": actual}
 
 
 # ---------------------------------------------------------------------------------------------- settings, runs

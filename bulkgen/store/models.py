@@ -103,6 +103,8 @@ class Job(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(DateTime)
     finished_at: Mapped[datetime | None] = mapped_column(DateTime)
+    # the latest `bulkgen plan` of it: {"predicted": plan.Prediction's dict, "options": what it assumed, "at"}
+    plan: Mapped[dict[str, Any] | None] = mapped_column(JSON)
 
 
 class Request(Base):
