@@ -1,3 +1,5 @@
+# Whole (over 300 lines): the replay, the calibration that times it and the job's requests it reads are one
+# prediction: kept together, what the replay counts and what the calibration measures stay the same features.
 """`bulkgen plan`: what a job will cost on this machine before it runs: wall time, output tokens, prompt tokens
 computed after prefix reuse, peak KV blocks and mean batch, for the engine options given and for candidates of
 --max-num-seqs, --kv-cache-memory and --packing.
@@ -13,9 +15,6 @@ options in the user cache, like the kernel race).
 What the replay cannot know: where a request without --ignore-eos meets its EOS. Its budget is used (an upper
 bound: the plan says "<="), scaled by the share of their budgets that the job's finished requests used where some
 have finished.
-
-(Over 300 lines: the replay, the calibration it is timed by and the job's requests it reads are one prediction,
-kept together so that what the replay counts and what the calibration measures stay the same features.)
 """
 
 from __future__ import annotations
@@ -43,6 +42,7 @@ from bulkgen.packing import admission_for, claim_target, order
 from bulkgen.progress import format_duration
 from bulkgen.store import jobs as job_ops
 from bulkgen.store.models import Job, Request, RequestState, Result, iso_utc, unpack_ids, utcnow
+from bulkgen.store.queue import QueueShape
 from bulkgen.worker import runs_to_budget
 
 COST_VERSION = 2  # bump when the calibration changes: cached costs of other versions are measured again
@@ -117,7 +117,7 @@ def replay(requests: list[PlannedRequest], config: EngineConfig, cost: StepCost,
                         prompt_ids=lambda i: requests[i].prompt_token_ids))
     kv_tokens = num_blocks * config.block_size // max(layout.num_full_groups, 1)
     mean = sum(len(r.prompt_token_ids) + r.max_new_tokens for r in requests) / max(len(requests), 1)
-    target = claim_target(config.max_num_seqs, kv_tokens, _Shape(len(requests), 0, mean, 1))
+    target = claim_target(config.max_num_seqs, kv_tokens, QueueShape(len(requests), 0, mean, 1))
     seconds, steps, batch, computed, peak, outputs = cost.load_s, 0, 0, 0, 0, 0
     while queue or scheduler.has_unfinished():
         while queue and len(scheduler.waiting) + len(scheduler.running) < target:
@@ -145,14 +145,6 @@ def replay(requests: list[PlannedRequest], config: EngineConfig, cost: StepCost,
                 scheduler.finish(seq, SequenceStatus.FINISHED_LENGTH)
     return Prediction(seconds, outputs, computed, peak, batch / max(steps, 1), steps, config.max_num_seqs,
                       num_blocks, packing, upper_bound)
-
-
-@dataclass
-class _Shape:  # packing.QueueShape of the whole job, one worker
-    num_pending: int
-    num_running: int
-    mean_tokens: float
-    num_live_workers: int
 
 
 def calibrate(model_path: str | Path, config: EngineConfig, log: Any = None) -> StepCost:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from bulkgen.errors import InputError
 from bulkgen.model import chat_prompt
+from bulkgen.store.packings import ids_bytes, shared_tokens
 
 
 @dataclass
@@ -159,19 +160,10 @@ def make_shared_prefix(tokenizer, out: Path, num_prefixes: int = 8, prefix_token
 
 
 def distinct_tokens(prompts: list[list[int]]) -> int:
-    """Tokens of `prompts` counted once for every prefix they share (the nodes of their trie)."""
-    ordered = sorted(prompts)
-    total = 0
-    previous: list[int] = []
-    for prompt in ordered:
-        common = 0
-        for a, b in zip(previous, prompt, strict=False):
-            if a != b:
-                break
-            common += 1
-        total += len(prompt) - common
-        previous = prompt
-    return total
+    """Tokens of `prompts` counted once for every prefix they share (the nodes of their trie): sorted, each prompt
+    adds what it does not share with the one before it."""
+    ordered = sorted(ids_bytes(p) for p in prompts)
+    return sum(len(b) // 4 - shared_tokens(a, b) for a, b in zip([b"", *ordered], ordered, strict=False))
 
 
 def _license_words() -> list[str]:

@@ -106,58 +106,57 @@ def engine_options(func: Callable, without: tuple[str, ...] = ()) -> Callable:
     default the field's own (`without`: flags a command spells its own way, as `plan`'s lists of candidates)."""
     default = EngineConfig()
     options = [
-        click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default=default.dtype,
+        _option("--dtype", type=click.Choice(DTYPE_CHOICES), default=default.dtype,
                      show_default=True, help="Weights, activations and KV cache (auto: float32 where the weights "
                                              "fit in memory, else bfloat16 where the CPU computes it natively)."),
-        click.option("--quantization", type=click.Choice(QUANTIZATIONS), default=default.quantization,
+        _option("--quantization", type=click.Choice(QUANTIZATIONS), default=default.quantization,
                      show_default=True, help="The linear layers' weights: none (as loaded, exact); int8 (per "
                                              "output channel, activations per block of 32, integer products: a "
                                              "quarter of float32's bytes, approximate); gguf (a GGUF model's "
                                              "own blocks, Q4_K etc., integer products: the file's size, "
                                              "approximate); auto: none where the dequantized weights fit in "
                                              "memory, else gguf."),
-        click.option("--device", default=default.device, show_default=True, help="cpu, cuda, cuda:N or auto."),
-        click.option("--kv-cache-memory", metavar="SIZE",
+        _option("--device", default=default.device, show_default=True, help="cpu, cuda, cuda:N or auto."),
+        _option("--kv-cache-memory", metavar="SIZE",
                      help="KV cache size, e.g. 2GiB (default on CPU: 4GiB or a quarter of free RAM, at most what "
                           "--max-num-seqs sequences of the longest context fill; "
                           "--gpu-memory-utilization on a GPU)."),
-        click.option("--gpu-memory-utilization", type=float, default=default.gpu_memory_utilization,
+        _option("--gpu-memory-utilization", type=float, default=default.gpu_memory_utilization,
                      show_default=True, help="Share of GPU memory for weights and KV cache."),
-        click.option("--max-num-seqs", type=int, default=default.max_num_seqs, show_default=True,
+        _option("--max-num-seqs", type=int, default=default.max_num_seqs, show_default=True,
                      help="Sequences running at once."),
-        click.option("--max-num-batched-tokens", type=int, default=default.max_num_batched_tokens,
+        _option("--max-num-batched-tokens", type=int, default=default.max_num_batched_tokens,
                      show_default=True, help="Tokens computed per engine step (the token budget)."),
-        click.option("--max-model-len", type=int, help="Cap on prompt + output tokens (default: the model's)."),
-        click.option("--block-size", type=int, default=default.block_size, show_default=True,
+        _option("--max-model-len", type=int, help="Cap on prompt + output tokens (default: the model's)."),
+        _option("--block-size", type=int, default=default.block_size, show_default=True,
                      help="Tokens per KV block."),
-        click.option("--attention-backend", type=click.Choice(ATTENTION_BACKENDS),
+        _option("--attention-backend", type=click.Choice(ATTENTION_BACKENDS),
                      default=default.attention_backend, show_default=True,
                      help="kernel: bulkgen's C kernels (CPU); torch: pure torch; triton: the Triton kernels (a "
                           "GPU's default; on a CPU only in Triton's interpreter)."),
-        click.option("--kernels", default=default.kernels, envvar="BULKGEN_KERNELS", show_default=True,
+        _option("--kernels", default=default.kernels, envvar="BULKGEN_KERNELS", show_default=True,
                      metavar="SPEC",
                      help="CPU path of each kernel family (linear, gated_mlp, decode_attention, "
                           "prefill_attention, small_ops, sampler): auto (the faster, measured once on this "
                           "machine), c, torch, or pairs such as linear=torch,attention=c. Also read from "
                           "BULKGEN_KERNELS."),
-        click.option("--num-threads", type=int, help="CPU threads for torch (default: all cores)."),
-        click.option("--prefix-caching/--no-prefix-caching", "enable_prefix_caching",
+        _option("--num-threads", type=int, help="CPU threads for torch (default: all cores)."),
+        _option("--prefix-caching/--no-prefix-caching", "enable_prefix_caching",
                      default=default.enable_prefix_caching, show_default=True,
                      help="Share KV blocks of common prompt prefixes."),
-        click.option("--cuda-graphs/--no-cuda-graphs", default=default.cuda_graphs, show_default=True,
+        _option("--cuda-graphs/--no-cuda-graphs", default=default.cuda_graphs, show_default=True,
                      help="GPU: replay decode steps as CUDA graphs captured per batch-size bucket "
                           "(1, 2, 4, ... --max-num-seqs)."),
     ]
-    for option in reversed(options):
-        if not any(name in without for name in _flag_names(option)):
+    for flags, option in reversed(options):
+        if not set(flags) & set(without):
             func = option(func)
     return func
 
 
-def _flag_names(option: Callable) -> tuple[str, ...]:
-    """The flags a click.option decorator declares (read off a throwaway command)."""
-    command = option(click.command()(lambda **_: None))
-    return tuple(name for param in command.params for name in param.opts)
+def _option(*flags: str, **settings: Any) -> tuple[tuple[str, ...], Callable]:
+    """A click option and the flags it declares (what engine_options' `without` names)."""
+    return flags, click.option(*flags, **settings)
 
 
 ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig))

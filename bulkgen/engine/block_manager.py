@@ -1,3 +1,5 @@
+# Whole (over 300 lines): the free list, the prefix cache, the partly shared blocks and the block tables share one
+# set of reference counts and keys; split, each part would reach into the others' state.
 """The paged KV cache's bookkeeping: fixed-size blocks, a free list, reference counts, a prefix cache.
 
 Plain Python (no torch): the runner owns the tensors, this owns which block holds what. It answers
@@ -14,9 +16,6 @@ document's last tokens, then each request's own question): where the layout has 
 follows the same prefix and starts with the same tokens is found (`_partial`), and the new sequence's block is a copy
 of it (`take_copies`, done by the runner before the step's forward), its first tokens counted as computed. A whole
 block is copied: the slots past the shared tokens are written by the sequence before anything reads them.
-
-(Over 300 lines: the free list, the prefix cache, the partly shared blocks and the block tables share one set of
-reference counts and keys; split, each part would reach into the others' state.)
 
 Layers that attend differently hold their K/V in groups (KVLayout, after vLLM's hybrid KV cache
 manager): a block of the pool holds one block of tokens for each of a group's layers, and a sequence

@@ -56,7 +56,7 @@ def prefix_order(keys: Sequence[Any], prompts: Sequence[bytes], min_shared: int 
     previous = None
     for i in by_prompt:
         if previous is not None:
-            shared = _shared_tokens(prompts[previous], prompts[i])
+            shared = shared_tokens(prompts[previous], prompts[i])
             closed = None
             while stack[-1][0] > shared:
                 depth, items = stack.pop()
@@ -95,7 +95,7 @@ def _close(depth: int, items: list[tuple[Any, list[int]]], parent_depth: int, mi
     return [(items[0][0], group)]
 
 
-def _shared_tokens(a: bytes, b: bytes) -> int:
+def shared_tokens(a: bytes, b: bytes) -> int:
     """Tokens two prompts (as `ids_bytes`) share at their start: a binary search over slices compared in C."""
     low, high = 0, min(len(a), len(b)) // 4
     while low < high:
