@@ -21,6 +21,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none", "int8", "gguf")  # --quantization (engine/quant.py, engine/blocks.py)
 DTYPE_CHOICES = ("auto", *DTYPES)  # auto: float32 where the weights fit, else bfloat16 (engine/memory.py)
 DEVICES = ("auto", "cpu", "cuda")
+SPECULATE = ("auto", "off")  # --speculate (engine/speculate.py)
 ATTENTION_BACKENDS = ("auto", "kernel", "torch", "triton")
 # CPU kernel families, each run in bulkgen's C kernels or in plain torch (engine/paths.py decides).
 KERNEL_FAMILIES = ("linear", "gated_mlp", "decode_attention", "prefill_attention", "small_ops", "sampler")
@@ -143,6 +144,9 @@ class EngineConfig:
     pack_weights: bool = True  # CPU: pack linear weights once for our C GEMM (float32, bfloat16) or oneDNN
     fast_forward: bool = True  # Llama family: our lean forward (False: always Hugging Face's modules)
     cuda_graphs: bool = False  # GPU: replay pure-decode steps as CUDA graphs (off until measured on a GPU)
+    # drafts with no draft model, verified in the normal step (engine/speculate.py): auto drafts where the step has
+    # room for them as measured; off never drafts. The outputs are the same either way.
+    speculate: str = "auto"
 
     def __post_init__(self) -> None:
         _check(self.dtype in DTYPE_CHOICES, f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
@@ -169,6 +173,7 @@ class EngineConfig:
         _check(self.num_threads is None or (isinstance(self.num_threads, int) and self.num_threads >= 1),
                f"num-threads must be >= 1, got {self.num_threads!r}")
         parse_kernels(self.kernels)
+        _check(self.speculate in SPECULATE, f"speculate must be one of {', '.join(SPECULATE)}, got {self.speculate!r}")
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> EngineConfig:

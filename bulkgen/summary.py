@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-TOTALS = ("completed", "failed", "released", "num_prompt_tokens", "num_output_tokens")  # summed over Ray's workers
+TOTALS = ("completed", "failed", "released", "num_prompt_tokens", "num_output_tokens", "steps", "drafted_tokens",
+          "accepted_tokens")  # summed over Ray's workers
 
 
 @dataclass
@@ -18,6 +19,9 @@ class RunSummary:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_preemptions: int = 0
+    num_steps: int = 0  # engine steps, and the draft tokens they verified and kept (engine/speculate.py)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     seconds: float = 0.0
     stopped_by: str | None = None  # the signal's name, when one stopped the run
     job_ids: set[int] = field(default_factory=set)
@@ -28,6 +32,8 @@ class RunSummary:
         return {"worker_id": self.worker_id, "completed": self.num_completed, "failed": self.num_failed,
                 "released": self.num_released, "num_prompt_tokens": self.num_prompt_tokens,
                 "num_output_tokens": self.num_output_tokens, "preemptions": self.num_preemptions,
+                "steps": self.num_steps, "drafted_tokens": self.num_draft_tokens,
+                "accepted_tokens": self.num_accepted_tokens,
                 **_timing(self.seconds, self.num_output_tokens, self.stopped_by, self.db_outages, self.db_outage_s),
                 "jobs": sorted(self.job_ids)}
 
@@ -72,5 +78,8 @@ def _line(head: str, d: dict[str, Any]) -> str:
     if d["db_outages"]:
         stop += f" · database unavailable {d['db_outages']} time(s), {d['db_outage_s']:.0f}s in all (waited out)"
     head = head if head.endswith("·") else head + ":"
+    steps = f" · {d['steps']:,} steps" if d["steps"] else ""
+    if d["drafted_tokens"]:
+        steps += f", {d['accepted_tokens']:,} of {d['drafted_tokens']:,} drafted tokens kept"
     return (f"{head} {d['completed']} completed · {d['failed']} failed · {d['num_output_tokens']:,} output tokens "
-            f"in {d['seconds']:.1f}s{rate}{stop}")
+            f"in {d['seconds']:.1f}s{rate}{steps}{stop}")

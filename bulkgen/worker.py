@@ -187,7 +187,7 @@ class Worker:
         self._say_start(engine, jobs)
         settings = _run_settings(engine, self.engine_config, self.options)
         self._store(runs.set_worker_settings, self.worker_id, settings, what="settings", wait=True)
-        preemptions_before = engine.stats.num_preemptions
+        counted_before = _counted(engine.stats)
         params = {job.id: SamplingParams.from_dict(job.spec["sampling"]) for job in jobs}
         job_ids = [job.id for job in jobs]
         self.summary.job_ids.update(job_ids)
@@ -223,7 +223,8 @@ class Worker:
             self.liveness.check()
             self.outage.wait()
             self._write(job_ids)
-        self.summary.num_preemptions += engine.stats.num_preemptions - preemptions_before
+        for name, before in counted_before.items():
+            setattr(self.summary, name, getattr(self.summary, name) + getattr(engine.stats, name) - before)
         return claimed
 
     def _db(self, call: Callable[[], Any], what: str, wait: bool = False) -> Any:
@@ -478,3 +479,9 @@ def runs_to_budget(spec: dict[str, Any]) -> bool:
     no schema, no line of an OpenAI batch file with its own stop): the progress's ETA is then exact, not "<="."""
     return SamplingParams.from_dict(spec["sampling"]).runs_to_budget and spec.get("input_format") != "openai" \
         and spec.get("json_schema_column") is None
+
+
+def _counted(stats: Any) -> dict[str, int]:
+    """The engine's counters a run's summary adds up (what this run's jobs added to them)."""
+    return {name: getattr(stats, name) for name in ("num_preemptions", "num_steps", "num_draft_tokens",
+                                                     "num_accepted_tokens")}

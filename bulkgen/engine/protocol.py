@@ -55,6 +55,8 @@ class EngineStats:
     num_preemptions: int = 0
     num_prompt_tokens_computed: int = 0  # recomputation included
     num_output_tokens: int = 0
+    num_draft_tokens: int = 0  # drafted tokens verified (engine/speculate.py)
+    num_accepted_tokens: int = 0  # of them, kept
     num_running: int = 0  # sequences in the last step
     kv_usage: float = 0.0  # share of KV blocks held in the last step, after scheduling
     steps: list[StepRecord] = field(default_factory=list)

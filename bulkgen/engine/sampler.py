@@ -53,10 +53,13 @@ class SampleResult:
 @torch.inference_mode()
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Collection[int],
            argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
-           candidates: Candidates | None = None) -> SampleResult:
+           candidates: Candidates | None = None,
+           generators: list[torch.Generator | None] | None = None) -> SampleResult:
     """Choose each row's next token. `logits` may be modified in place (masks, penalties) unless a row
     needs them raw (log-probabilities). `argmax` is row-wise over float32 (torch's by default);
-    `candidates` the C kernels' pass of sampled rows over the vocabulary (cpu/ops.Ops; None: torch's)."""
+    `candidates` the C kernels' pass of sampled rows over the vocabulary (cpu/ops.Ops; None: torch's);
+    `generators`: each row's, seeded for its draw (the engine's: Sequence.draw_seed; None: each sampled row's
+    from its request's seed)."""
     num_rows = logits.shape[0]
     if num_rows == 0:
         return SampleResult([], [], [])
@@ -80,7 +83,10 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Collection
         apply_output_penalties(processed, counted, [seqs[i].output_token_ids for i in counted],
                                [seqs[i].params.frequency_penalty for i in counted],
                                [seqs[i].params.presence_penalty for i in counted])
-    tokens, best = _choose(processed, seqs, argmax or (lambda x: x.argmax(dim=-1)), candidates)
+    if generators is None:
+        generators = [None if s.params.is_greedy else torch.Generator(device=device).manual_seed(s.params.seed or 0)
+                      for s in seqs]
+    tokens, best = _choose(processed, seqs, generators, argmax or (lambda x: x.argmax(dim=-1)), candidates)
     codes = torch.where(torch.isnan(best) | (best == float("inf")), NOT_FINITE,
                         torch.where(best == float("-inf"), NO_TOKEN, tokens))
     chosen = codes.tolist()  # the step's one read
@@ -95,7 +101,8 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Collection
     return SampleResult([max(t, 0) for t in chosen], errors, logprobs)
 
 
-def _choose(processed: torch.Tensor, seqs: list[Sequence], argmax: Callable[[torch.Tensor], torch.Tensor],
+def _choose(processed: torch.Tensor, seqs: list[Sequence], generators: list[torch.Generator | None],
+            argmax: Callable[[torch.Tensor], torch.Tensor],
             candidates: Candidates | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's token [rows] (int64) and its largest processed logit [rows] (NaN if the row holds one)."""
     device = processed.device
@@ -104,14 +111,15 @@ def _choose(processed: torch.Tensor, seqs: list[Sequence], argmax: Callable[[tor
         tokens = argmax(processed).to(device)
         return tokens, processed.gather(1, tokens[:, None])[:, 0]
     if len(drawn) == len(seqs):
-        return sample_rows(processed, [s.params for s in seqs], [s.generator for s in seqs], True, candidates)
+        return sample_rows(processed, [s.params for s in seqs], generators, True, candidates)
     greedy = [i for i, s in enumerate(seqs) if s.params.is_greedy]
     tokens = torch.empty(len(seqs), dtype=torch.int64, device=device)
     best = torch.empty(len(seqs), dtype=processed.dtype, device=device)
     for rows, (row_tokens, row_best) in (
-            (greedy, _choose(processed[to_device(np.array(greedy), device)], [seqs[i] for i in greedy], argmax)),
+            (greedy, _choose(processed[to_device(np.array(greedy), device)], [seqs[i] for i in greedy],
+                             [None] * len(greedy), argmax)),
             (drawn, sample_rows(processed[to_device(np.array(drawn), device)], [seqs[i].params for i in drawn],
-                                [seqs[i].generator for i in drawn], True, candidates))):
+                                [generators[i] for i in drawn], True, candidates))):
         index = to_device(np.array(rows, dtype=np.int64), device)
         tokens[index], best[index] = row_tokens, row_best
     return tokens, best

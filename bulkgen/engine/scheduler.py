@@ -13,7 +13,16 @@ from bulkgen.engine.sequence import Sequence, SequenceStatus
 @dataclass(frozen=True)
 class ScheduledSeq:
     seq: Sequence
-    num_new_tokens: int  # computed this step, starting at seq.num_computed_tokens
+    num_new_tokens: int  # computed this step, starting at seq.num_computed_tokens (its draft's included)
+    num_draft_tokens: int = 0  # the last of them: seq.draft, to be verified (speculate.py)
+
+    @property
+    def num_sampled(self) -> int:
+        """Rows of this sequence the step samples: each draft token's and the one after them where the sequence
+        reaches its known tokens (0 for a prefill chunk short of them)."""
+        if self.seq.num_computed_tokens + self.num_new_tokens - self.num_draft_tokens < self.seq.num_tokens:
+            return 0
+        return 1 + self.num_draft_tokens
 
 
 @dataclass
@@ -88,8 +97,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            num_new = min(seq.num_uncomputed_tokens + len(seq.draft), budget)
             assert num_new > 0, "a running sequence always has a token to compute"
+            if seq.draft and not bm.can_allocate(seq, num_new):
+                num_new = min(seq.num_uncomputed_tokens, budget)  # a draft is the first thing given up
+            num_draft = max(0, num_new - seq.num_uncomputed_tokens)
+            del seq.draft[num_draft:]
             while not bm.can_allocate(seq, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -98,7 +111,7 @@ class Scheduler:
                     break
             else:
                 bm.allocate(seq, num_new)
-                out.scheduled.append(ScheduledSeq(seq, num_new))
+                out.scheduled.append(ScheduledSeq(seq, num_new, num_draft))
                 budget -= num_new
                 i += 1
         if out.preempted:
@@ -176,14 +189,16 @@ class Scheduler:
             shared += 1
         return shared * self.block_manager.block_size
 
-    def update(self, out: SchedulerOutput) -> None:
-        """After the model ran `out`: each scheduled sequence's computed tokens advance by what it was given,
-        its blocks that are now full enter the prefix cache, and a sliding group's blocks that fell out of its window
-        go back to the free list. (Finishing is `finish`, once sampled.)"""
+    def update(self, out: SchedulerOutput, rejected: dict[int, int] | None = None) -> None:
+        """After the model ran `out`: each scheduled sequence's computed tokens advance by what it was given, less
+        its draft tokens the model did not confirm (rejected: id(seq) -> how many; the engine has put the confirmed
+        ones in its token_ids), its blocks that are now full enter the prefix cache, and a sliding group's blocks that
+        fell out of its window go back to the free list. (Finishing is `finish`, once sampled.)"""
         bm = self.block_manager
         slides = bm.layout.slides
         for s in out.scheduled:
-            s.seq.num_computed_tokens += s.num_new_tokens
+            s.seq.num_computed_tokens += s.num_new_tokens - (rejected.get(id(s.seq), 0) if rejected else 0)
+            s.seq.draft = []
             bm.cache_full_blocks(s.seq)
             if slides:
                 bm.free_outside_windows(s.seq)
@@ -203,6 +218,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
+        seq.draft = []
         seq.num_shared_tokens = 0
         seq.status = SequenceStatus.PREEMPTED
         seq.num_preemptions += 1

@@ -54,8 +54,13 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_preemptions: int = 0
     error: str | None = None
-    # Filled by the engine (the sampler's generator, the detokenizer) and by the sampler.
-    generator: Any = None
+    # Tokens guessed to follow token_ids (speculate.py), not yet verified: the next step computes them beside the
+    # sequence's own and keeps the longest prefix the model agrees with. Never part of token_ids before that.
+    draft: list[int] = field(default_factory=list)
+    draft_source: str = ""  # which drafter guessed them (speculate.DRAFTERS)
+    ngrams: Any = None  # speculate.NgramIndex of token_ids, once the prompt drafter first looks
+    # Filled by the engine (the sampler's generators, the detokenizer) and by the sampler.
+    generators: list[Any] = field(default_factory=list)  # a sampled sequence's: one a row it samples in a step
     detokenizer: Any = None
     matcher: Any = None  # llguidance's, where the output must match a JSON schema (grammar.py)
     logprobs: list[Any] | None = None
@@ -105,8 +110,22 @@ class Sequence:
     def finish_reason(self) -> str | None:
         return FINISH_REASONS.get(self.status)
 
+    def draw_seed(self, position: int) -> int:
+        """The seed of the draw that picks the token at `position` (a sampled request): its seed and the position
+        mixed (splitmix64), so a draw depends on where it is, never on how many draws came before it; a draft's
+        rows, kept or not, leave every later draw as it would have been."""
+        return _mix(_mix(self.params.seed or 0) ^ position)
+
     def append_token(self, token_id: int, at: float | None = None) -> None:
         """A sampled token; `at`: when it was sampled (the clock the finish time is read from too)."""
         self.token_ids.append(token_id)
         if self.first_token_time is None:
             self.first_token_time = time.monotonic() if at is None else at
+
+
+def _mix(x: int) -> int:
+    """splitmix64's finaliser, to 63 bits (torch's seeds)."""
+    x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (x ^ (x >> 31)) >> 1
