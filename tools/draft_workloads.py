@@ -5,7 +5,8 @@
 
 extraction: a short made-up biography a row, to be read out as JSON of SCHEMA's eight named fields (the schema
 is written beside it: give it to `bench --json-schema SCHEMA.json --compare bulkgen@json,...`).
-rewrite: a paragraph a row to be copied with its spelling fixed (the output copies most of the prompt).
+rewrite: a paragraph a row to be copied with its spelling fixed (the output copies most of the prompt), with a
+budget about the paragraph's length (`bench` masks EOS: past the copy a model writes anything).
 """
 
 from __future__ import annotations
@@ -61,15 +62,17 @@ def extraction(rows: int, rng: random.Random) -> list[str]:
     return prompts
 
 
-def rewrite(rows: int, rng: random.Random) -> list[str]:
-    prompts = []
+def rewrite(rows: int, rng: random.Random) -> tuple[list[str], list[int]]:
+    """The prompts, and a budget each about the paragraph's length in tokens (the copy, not what follows it)."""
+    prompts, budgets = [], []
     for _ in range(rows):
         start = rng.randrange(0, len(TEXT) // 3)
         words = TEXT[start:start + rng.randint(30, len(TEXT) - start)]
         noisy = [TYPOS[w] if w in TYPOS and rng.random() < 0.6 else w for w in words]
         prompts.append("Rewrite this paragraph with its spelling mistakes fixed. Write only the paragraph.\n\n"
                        + " ".join(noisy))
-    return prompts
+        budgets.append(int(1.2 * len(words)))
+    return prompts, budgets
 
 
 def main() -> None:
@@ -84,11 +87,13 @@ def main() -> None:
     if args.kind == "extraction":
         if args.schema is None:
             parser.error("extraction: give SCHEMA.json, where the schema is written")
-        prompts = extraction(args.rows or 256, rng)
+        columns = {"prompt": extraction(args.rows or 256, rng)}
         args.schema.write_text(json.dumps(SCHEMA))
     else:
-        prompts = rewrite(args.rows or 64, rng)
-    pq.write_table(pa.table({"prompt": prompts}), args.out)
+        prompts, budgets = rewrite(args.rows or 64, rng)
+        columns = {"prompt": prompts, "max_new_tokens": budgets}
+    pq.write_table(pa.table(columns), args.out)
+    prompts = columns["prompt"]
     print(f"wrote {len(prompts)} rows to {args.out}")
 
 

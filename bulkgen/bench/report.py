@@ -31,8 +31,9 @@ def metrics(label: str, dtype: str, raw: dict[str, Any], workload: Workload) -> 
         "prefill_ratio": raw["prompt_tokens_computed"] / workload.num_distinct_prompt_tokens
         if raw.get("prompt_tokens_computed") is not None else None,
         "mean_batch_occupancy": raw.get("mean_batch_occupancy"),
-        # engine steps a output token, and the draft tokens verified and kept (bulkgen: engine/speculate.py)
-        "steps_per_token": raw["num_steps"] / num_output if raw.get("num_steps") and num_output else None,
+        # a sequence's engine steps per output token (each step that samples it gives one token and the draft
+        # tokens it keeps), and the draft tokens verified and kept (bulkgen: engine/speculate.py)
+        "steps_per_token": 1 - raw["accepted_tokens"] / num_output if raw.get("num_steps") and num_output else None,
         "drafted_tokens": raw.get("drafted_tokens"),
         "accepted_tokens": raw.get("accepted_tokens"),
         "padding_fraction": raw.get("padding_fraction"),

@@ -125,7 +125,7 @@ class Engine:
         logits, sampled_seqs = self.runner.execute(scheduled.scheduled)
         masks.apply(logits, sampled_seqs)
         finished = self._postprocess(scheduled, logits, sampled_seqs)
-        self.speculation.observe_step(scheduled.num_batched_tokens, time.perf_counter() - began)
+        self.speculation.observe_step(scheduled.num_batched_tokens, len(sampled_seqs), time.perf_counter() - began)
         self.drafter.propose(self.scheduler.running, self._room)  # the next step's drafts (speculate.py)
         return finished
 

@@ -163,12 +163,14 @@ class ChunkInput:
 
 @dataclass
 class StepInputs:
-    """A step's scheduled tokens flattened into one ragged batch (decodes first, then prefill chunks): the ids and
+    """A step's scheduled tokens flattened into one ragged batch (decode rows first, then prefill chunks): the ids and
     positions of its new tokens, the rows that are sampled and their sequences. scheduled: the scheduler's
-    ScheduledSeq (a sequence and its new tokens this step)."""
+    ScheduledSeq (a sequence and its new tokens this step). A sequence with one token of its own and a draft after
+    it (speculate.py) is a decode row a token: each row attends up to its own position (the step writes every new
+    token's K/V before attention reads any), so a draft costs rows of the batched decode kernel, not a chunk."""
 
-    decodes: list  # ScheduledSeq with one new token
-    prefills: list  # ScheduledSeq with several
+    decodes: list  # (sequence, position) of each decode row
+    prefills: list  # ScheduledSeq with several new tokens (a prompt's chunk)
     input_ids: list[int]
     positions: list[int]
     sample_rows: list[int]  # rows whose sequences reach their known tokens this step (and their drafts' rows)
@@ -176,41 +178,41 @@ class StepInputs:
 
     @classmethod
     def of(cls, scheduled: list) -> StepInputs:
-        decodes = [s for s in scheduled if s.num_new_tokens == 1]
-        prefills = [s for s in scheduled if s.num_new_tokens > 1]
-        inputs = cls(decodes, prefills, [], [], [], [])
-        for s in decodes:
-            inputs.input_ids.append(s.seq.token_ids[s.seq.num_computed_tokens])
-            inputs.positions.append(s.seq.num_computed_tokens)
+        rows = [s for s in scheduled if s.num_new_tokens - s.num_draft_tokens == 1]
+        prefills = [s for s in scheduled if s.num_new_tokens - s.num_draft_tokens > 1]
+        inputs = cls([], prefills, [], [], [], [])
+        for s in rows:
+            seq, start = s.seq, s.seq.num_computed_tokens
+            inputs.input_ids.append(seq.token_ids[start])
+            inputs.input_ids.extend(seq.draft[:s.num_draft_tokens])
+            for position in range(start, start + s.num_new_tokens):
+                inputs.decodes.append((seq, position))
+                inputs.positions.append(position)
         for s in prefills:
             start, n = s.seq.num_computed_tokens, s.num_new_tokens
-            ids = s.seq.token_ids[start:start + n]
-            if s.num_draft_tokens:  # a draft's tokens follow the sequence's own
-                ids = ids + s.seq.draft[:s.num_draft_tokens]
-            inputs.input_ids.extend(ids)
+            inputs.input_ids.extend(s.seq.token_ids[start:start + n])
             inputs.positions.extend(range(start, start + n))
         offset = 0
-        for s in decodes + prefills:
+        for s in rows + prefills:
             offset += s.num_new_tokens
-            rows = s.num_sampled  # a drafted sequence's rows follow one another, one a position
-            inputs.sample_rows.extend(range(offset - rows, offset))
-            inputs.sampled.extend([s.seq] * rows)
+            sampled = s.num_sampled  # a drafted sequence's rows follow one another, one a position
+            inputs.sample_rows.extend(range(offset - sampled, offset))
+            inputs.sampled.extend([s.seq] * sampled)
         return inputs
 
     def decode_tables(self, group: int) -> list[list[int]]:
-        return [s.seq.block_tables[group] for s in self.decodes]
+        return [seq.block_tables[group] for seq, _ in self.decodes]
 
     def decode_context_lens(self) -> list[int]:
-        """Tokens each decoding sequence attends to, its new one included."""
-        return [s.seq.num_computed_tokens + 1 for s in self.decodes]
+        """Tokens each decode row attends to, its own included."""
+        return [position + 1 for _, position in self.decodes]
 
     def group_slots(self, group: int, block_size: int) -> tuple[list[int], list[ChunkInput]]:
         """The cache slots of the step's new tokens in one group's blocks, and its prefill chunks."""
         bs = block_size
         slots: list[int] = []
-        for s in self.decodes:
-            pos = s.seq.num_computed_tokens
-            slots.append(s.seq.block_tables[group][pos // bs] * bs + pos % bs)
+        for seq, pos in self.decodes:
+            slots.append(seq.block_tables[group][pos // bs] * bs + pos % bs)
         chunks: list[ChunkInput] = []
         offset = len(self.decodes)
         for s in self.prefills:

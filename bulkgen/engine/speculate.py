@@ -11,17 +11,21 @@ Three drafters, tried in this order for each running sequence after a step:
   in its own prompt and output (prompt lookup decoding): rewrites and extractions copy their input.
 - "outputs": the same over the job's finished outputs (a bounded index): one job's rows resemble each other.
 
-Drafting pays where a step has room. `Speculation` decides from what it measures: a step's time as a line in its
-tokens (t = a + b n, fitted as the run goes) and each drafter's acceptance α (a draft token's chance to be kept
-once the ones before it were). The k-th token of a draft is worth its row where α^k > b B / (a + b B), the share of
-a step of B rows that a row costs: at full batch on a CPU (every row pays its weights' compute) nearly nothing is
-drafted; in a small batch or a job's tail, drafts run long.
+Drafting pays where a step has room. `Speculation` decides from what it measures: a step's time as a plane in its
+tokens and its sampled rows (t = a + b n + d s, fitted as the run goes: a draft token is a token and a sampled row,
+r = b + d) and each drafter's acceptance α (a draft token's chance to be kept once the ones before it were). The
+k-th token of a draft is worth its row where α^k > r B / (a + r B), the share of a step of B decoding sequences that
+one row costs: where rows cost nearly all of a step (a CPU's batched decode is compute-bound from a few tens of
+rows) nearly nothing is drafted; in small batches, a job's tail, and where drafts are kept (a schema's forced
+keys), drafts run long. A draft's rows are decode rows (metadata.StepInputs): no chunk of its own.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from typing import Any
+
+import numpy as np
 
 from bulkgen.engine.sequence import Sequence
 
@@ -92,16 +96,18 @@ class Speculation:
 
     def __init__(self, mode: str) -> None:
         self.enabled = mode != "off"
-        # exponentially weighted sums of a step's (1, n, n^2, t, n t): the line t = a + b n
-        self._sums = [0.0] * 5
+        # exponentially weighted sums of x x^T and x t over steps, x = (1, n, m): the fit t = a + b n + c m
+        self._xx = np.zeros((3, 3))
+        self._xt = np.zeros(3)
         self._kept = {source: PRIOR_ACCEPTANCE[source] * PRIOR_WEIGHT for source in DRAFTERS}
         self._tried = {source: PRIOR_WEIGHT for source in DRAFTERS}
         self._skipped = dict.fromkeys(DRAFTERS, 0)
 
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
-        s = self._sums
-        for i, value in enumerate((1.0, num_tokens, num_tokens * num_tokens, seconds, num_tokens * seconds)):
-            s[i] = s[i] * DECAY + value
+    def observe_step(self, num_tokens: int, num_sampled: int, seconds: float) -> None:
+        """A step's time: its tokens (drafts' included) and its rows sampled (the LM head's and the sampler's)."""
+        x = np.array([1.0, num_tokens, num_sampled])
+        self._xx = self._xx * DECAY + np.outer(x, x)
+        self._xt = self._xt * DECAY + x * seconds
 
     def observe_draft(self, source: str, drafted: int, kept: int) -> None:
         """A verified draft: `kept` of its `drafted` tokens confirmed (the first differing one ends it)."""
@@ -111,30 +117,41 @@ class Speculation:
     def acceptance(self, source: str) -> float:
         return self._kept[source] / self._tried[source]
 
-    def row_share(self, batch: int) -> float:
-        """b B / (a + b B): the share of a step of `batch` rows that one more row's worth of them costs (0.5
-        until the fit has steps of different sizes)."""
-        w, n, nn, t, nt = self._sums
-        variance = nn * w - n * n
-        if w < 4 or variance <= 1e-9 * max(nn * w, 1.0):
-            return 0.5
-        b = max((nt * w - n * t) / variance, 0.0)
-        a = max((t - b * n) / w, 1e-6)
-        return b * batch / (a + b * batch)
+    def costs(self) -> tuple[float, float, float] | None:
+        """(a, b, d): a step's fixed time, a token's, a sampled row's beyond its token (the LM head, the sampler);
+        None until steps of different sizes were seen."""
+        xx = self._xx
+        w, n, nn = xx[0, 0], xx[0, 1], xx[1, 1]
+        if w < 4 or nn * w - n * n <= 1e-9 * max(nn * w, 1.0):
+            return None
+        ridge = 1e-9 * np.trace(xx) * np.eye(3)
+        a, b, d = np.linalg.solve(xx + ridge, self._xt)
+        return max(float(a), 1e-6), max(float(b), 0.0), max(float(d), 0.0)
 
-    def draft_length(self, source: str, batch: int, share: float) -> int:
-        """Tokens of a draft from `source` worth their rows in a step of `batch` rows (share: row_share(batch)):
-        the k-th is where acceptance^k > share. A drafter judged not worth it drafts now and then anyway."""
-        alpha = self.acceptance(source)
-        length, chance = 0, alpha
-        while length < MAX_DRAFT and chance > share:
-            length += 1
-            chance *= alpha
-        if length == 0:
-            self._skipped[source] += 1
-            if self._skipped[source] % EXPLORE_EVERY == 0:
-                return 1
-        return length
+    def plan(self, batch: int) -> dict[str, int]:
+        """Each drafter's draft length worth its rows in a step of `batch` decoding sequences. A draft token costs a
+        sampled row, r = b + d; a kept one is worth a sequence's share of the step, v = (a + r B) / B. The k-th
+        token of a draft is drafted while acceptance^k v > r (0.5 for r / v until the fit has steps). A drafter
+        judged not worth it drafts one token now and then anyway, to be measured again."""
+        cost = self.costs()
+        if cost is None:
+            share = 0.5
+        else:
+            a, b, d = cost
+            row = b + d
+            share = row * batch / (a + row * batch)
+        lengths = {}
+        for source in DRAFTERS:
+            alpha = self.acceptance(source)
+            length, chance = 0, alpha
+            while length < MAX_DRAFT and chance > share:
+                length += 1
+                chance *= alpha
+            if length == 0:
+                self._skipped[source] += 1
+                length = int(self._skipped[source] % EXPLORE_EVERY == 0)
+            lengths[source] = length
+        return lengths
 
 
 class Drafter:
@@ -153,8 +170,7 @@ class Drafter:
         """Set each running sequence's draft (or none). max_new_room(seq): tokens it may still add."""
         if not self.speculation.enabled or not running:
             return
-        share = self.speculation.row_share(len(running))
-        lengths = {source: self.speculation.draft_length(source, len(running), share) for source in DRAFTERS}
+        lengths = self.speculation.plan(len(running))
         if not any(lengths.values()):
             return
         for seq in running:
