@@ -87,7 +87,7 @@ class TritonBackend:
         """A pure-decode step that a captured graph takes: its logits (sampled rows); else None."""
         graphs, decodes = self.graphs, inputs.decodes
         if graphs is None or inputs.prefills or graphs.bucket(len(decodes)) is None \
-                or any(len(s.seq.block_table) > graphs.width for s in decodes):
+                or any(len(seq.block_table) > graphs.width for seq, _ in decodes):
             return None
         slots, _ = inputs.group_slots(0, self.block_size)
         logits = graphs.run(inputs.input_ids, inputs.positions, slots, inputs.decode_tables(0),
