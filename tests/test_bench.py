@@ -58,6 +58,7 @@ def test_bench_peer_without_kv_admission_preempts(tmp_path: Path, tiny_model_dir
         EngineRun("bulkgen", "float32", None, "bulkgen"),
         EngineRun("bulkgen", "float32", "fifo", "bulkgen@fifo@no-kv-admission", False),
         EngineRun("vllm", "bfloat16", None, "vllm@bfloat16")]
+    assert parse_engines("bulkgen@no-speculate", "float32")[1].speculate == "off"  # --speculate off, that engine
     out_json = tmp_path / "bench.json"
     invoke("bench", "--synthetic", 12, "--model", tiny_model_dir, "--max-new-tokens", 48, "--block-size", 16,
            "--kv-cache-memory", "1MiB", "--compare", "bulkgen@fifo@no-kv-admission", "--reference", "bulkgen",

@@ -45,6 +45,9 @@ def test_plan_predicts_what_the_run_then_does(tmp_path: Path, tiny_model_dir: Pa
     assert [(c["max_num_seqs"], c["kv_cache_blocks"] < 1000) for c in candidates] == [(2, True)] * 2 + [(8, True)] * 2
     assert all(c["mean_batch"] <= 2 for c in candidates[:2]) and candidates[3]["seconds"] == planned["seconds"]
     ran = invoke_json("run", job_id, *engine, "--no-progress")
+    # the run counts its engine steps and its drafts: a sequence of budget B takes B steps less its kept draft tokens
+    assert 0 <= ran["accepted_tokens"] <= ran["drafted_tokens"]
+    assert max(budgets) - ran["accepted_tokens"] <= ran["steps"], ran
     out = tmp_path / "out.parquet"
     invoke("export", job_id, "-o", out)
     rows = pq.read_table(out).to_pylist()

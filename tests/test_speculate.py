@@ -67,19 +67,22 @@ def test_greedy_with_drafts_equals_hf_generate(references, family: str, path: st
         pytest.skip("the interpreter is slow: one family there (the C and torch paths run both)")
     cases = [(None, MAX_DRAFT, 1024), (0, 4, 1024), (3, MAX_DRAFT, 1024), (None, 6, 12)]
     workload = WORKLOAD
-    if path == "triton-interpreter":  # the interpreter is slow: the case that keeps, cuts and trims drafts
-        cases, workload = [(3, MAX_DRAFT, 12)], WORKLOAD[:5]
+    if path == "triton-interpreter":  # the interpreter is slow: the case that keeps, cuts and trims drafts, on
+        # short outputs (greedy outputs are prefixes of longer ones)
+        cases, workload = [(3, MAX_DRAFT, 12)], [(p, min(m, 12)) for p, m in WORKLOAD[:4]]
+    elif path == "hf-modules":  # Hugging Face's modules see the same steps as the lean forward: two cases
+        cases = cases[1:3]
     for wrong, length, budget in cases:
         engine = Engine(model_dir, EngineConfig(**{**dict(max_num_seqs=8, max_num_batched_tokens=budget, block_size=8,
                                                           kv_cache_memory=4 << 20), **PATHS[path]}))
         engine.drafter = Oracle(engine, expected, wrong, length)
         got = _run(engine, workload, [SamplingParams(max_new_tokens=m) for _, m in workload])
-        assert got == {i: expected[i] for i in range(len(workload))}, (wrong, length, budget)
+        assert got == {i: expected[i][:m] for i, (_, m) in enumerate(workload)}, (wrong, length, budget)
         stats = engine.stats
         assert stats.num_draft_tokens > 0
         if wrong is None:  # every right token is kept
             assert stats.num_accepted_tokens == stats.num_draft_tokens
-            assert stats.num_steps < sum(m for _, m in workload) / 2
+            assert stats.num_steps < sum(m for _, m in workload) / 2 + len(workload)
         else:
             assert stats.num_accepted_tokens < stats.num_draft_tokens
 

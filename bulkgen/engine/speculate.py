@@ -32,7 +32,7 @@ from bulkgen.engine.sequence import Sequence
 DRAFTERS = ("grammar", "prompt", "outputs")
 MAX_DRAFT = 8  # tokens a draft holds at most
 NGRAMS = (3, 2, 1)  # the lookups' key lengths, longest first
-OUTPUT_ENTRIES = 65_536  # keys the job's output index holds (the oldest go first): a few MB
+OUTPUT_ENTRIES = 16_384  # keys the output index holds a key length (the oldest go first): about 15 MB in all
 PRIOR_ACCEPTANCE = {"grammar": 0.9, "prompt": 0.5, "outputs": 0.5}
 PRIOR_WEIGHT = 4.0  # the prior counts as this many verified tokens
 EXPLORE_EVERY = 64  # a drafter judged not worth it still drafts one sequence in this many, to measure it again
