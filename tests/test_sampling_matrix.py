@@ -226,7 +226,8 @@ def test_a_sampled_constrained_job_killed_and_resumed_equals_an_uninterrupted_ru
     flags = ["--max-attempts", "10", "--max-num-seqs", "8", "--quantization", quantization]
     reference_db = make_db("reference")
     reference_job = make(reference_db, tmp_path / "ref")
-    done = run_bulkgen(["run", "--db", reference_db, *RUN_FLAGS, *flags])
+    # the reference decodes without drafts; the killed and resumed runs draft (--speculate auto, the default)
+    done = run_bulkgen(["run", "--db", reference_db, *RUN_FLAGS, *flags, "--speculate", "off"])
     assert done.returncode == 0, done.stderr
     reference = export(reference_db, reference_job, tmp_path / "reference.parquet")
 
@@ -237,8 +238,9 @@ def test_a_sampled_constrained_job_killed_and_resumed_equals_an_uninterrupted_ru
     for _ in range(2):
         committed = kill_before(db, start_worker(db, *flags), min(committed + 20, NUM_ROWS - 40), rng)
     assert 0 < committed < NUM_ROWS - 20
-    done = run_bulkgen(["run", "--db", db, *RUN_FLAGS, *flags])
+    done = run_bulkgen(["run", "--db", db, *RUN_FLAGS, *flags, "--json"])
     assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["accepted_tokens"] > 0, done.stdout  # drafts were kept
     rows = export(db, job_id, tmp_path / "resumed.parquet")
     assert [r["row"] for r in rows] == list(range(NUM_ROWS)) and all(r["status"] == "completed" for r in rows)
     assert [r["output"] for r in rows] == [r["output"] for r in reference]
