@@ -7,10 +7,20 @@ computed after prefix reuse, peak KV blocks and mean batch, for the engine optio
 bulkgen knows every request of a job before it starts (its prompt's token ids and its budget) and its scheduler
 runs without a model, so the plan replays the real one: the packer's order and claims (`packing.order`,
 `claim_target`), the KV admission, the block manager with its prefix cache, chunked prefill, step by step, each
-step's time from a cost model of this machine and model (`StepCost`: seconds = a + b * decode tokens + c * prompt
-tokens + d * tokens attended + e * prompt tokens times their context, fitted by least squares, no coefficient below
-0, on about 10-30 s of real steps over synthetic prompts; and the engine's load; cached per machine, model and
+step's time from a cost model of this machine and model (`StepCost`, below; fitted by least squares, no coefficient
+below 0, on about 10-30 s of real steps over synthetic prompts; and the engine's load; cached per machine, model and
 options in the user cache, like the kernel race).
+
+A step's seconds = a + b * max(rows, knee) + c * sampled rows + d * query-key pairs. Rows are the tokens through the
+linear layers: below `knee` rows a step streams its weights and the rows ride along (a CPU's decode step of 1 row and
+of 8 cost the same), above it each row costs its FLOPs. Sampled rows pay the LM head and the sampler. Attention pays
+per query-key pair (a decode row against its context, a prompt chunk's tokens against theirs: one coefficient, so
+that a calibration too short for long prompts, a big model's, still measures it on decode contexts), its products
+and its KV's bytes together: a term for the distinct tokens read (a shared prefix's blocks stay in the CPU's cache)
+was tried and left out, as the calibration's few seconds cannot fill enough distinct KV to measure it. The knee is
+the one whose fit leaves the least error. The calibration's batches are shaped like jobs (1 to 128 sequences,
+contexts up to 1,024 tokens, 96 sequences over 4 shared documents), shortened for a model too slow for
+CALIBRATION_S of them.
 
 What the replay cannot know: where a request without --ignore-eos meets its EOS. Its budget is used (an upper
 bound: the plan says "<="), scaled by the share of their budgets that the job's finished requests used where some
@@ -26,6 +36,7 @@ import platform
 import random
 import subprocess
 import sys
+import time
 from collections import deque
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -45,8 +56,31 @@ from bulkgen.store.models import Job, Request, RequestState, Result, iso_utc, un
 from bulkgen.store.queue import QueueShape
 from bulkgen.worker import runs_to_budget
 
-COST_VERSION = 2  # bump when the calibration changes: cached costs of other versions are measured again
+COST_VERSION = 4  # bump when the calibration changes: cached costs of other versions are measured again
 OUTPUT_TOKEN = 1 << 30  # output tokens of the replay: ids no prompt holds, so that they share no prefix
+CALIBRATION_S = 30.0  # the seconds of timed steps the calibration aims at (a bigger model: shorter prompts)
+KNEES = (0, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # the rows below which a step costs its weights' stream, tried
+
+
+@dataclass(frozen=True)
+class StepFeatures:
+    """What a step's time depends on, as the replay and the calibration count it."""
+
+    decode: int  # decoding sequences' tokens
+    prefill: int  # prompt tokens computed
+    sampled: int  # rows sampled (the LM head, the sampler): the decoding sequences' and each prompt's last chunk's
+    attended: int  # tokens of KV the step's attention reads, each sequence its own context
+    prefill_attention: int  # each prompt chunk's tokens times its context (prefill attention is quadratic)
+
+    @property
+    def rows(self) -> int:
+        """Tokens through the linear layers."""
+        return self.decode + self.prefill
+
+    def terms(self, knee: int) -> list[float]:
+        # a query against a key costs the same products in a decode row and in a prompt chunk: one coefficient for
+        # both (a calibration too short to see long prompts, a big model's, still sees decode contexts)
+        return [1.0, float(max(self.rows, knee)), float(self.sampled), float(self.attended + self.prefill_attention)]
 
 
 @dataclass(frozen=True)
@@ -54,10 +88,10 @@ class StepCost:
     """Seconds of one engine step, and of loading the engine, on the machine it was measured on."""
 
     base: float
-    per_decode: float  # a sequence's decode token (its row in the linear layers, its sampling)
-    per_prefill: float  # a prompt token computed
-    per_context: float  # a token of KV read by the step's attention
-    per_prefill_attention: float  # a prompt token against a token of its context (prefill attention is quadratic)
+    per_row: float  # a token's row in the linear layers, above `knee` rows
+    per_sampled: float  # a sampled row's LM head and sampling
+    per_pair: float  # a query against a token of its context (a decode row's, a prompt chunk's): products, bytes
+    knee: int  # below this many rows a step costs as much as at it (the weights' stream)
     load_s: float  # Engine() for this model and these options, its warm-up included
     num_blocks: int  # the KV blocks the engine had with these options
     block_bytes: int  # one block's bytes (to size candidates of --kv-cache-memory)
@@ -73,9 +107,9 @@ class StepCost:
         per_seq = -(-self.max_model_len // config.block_size) * groups
         return min(self.num_blocks, config.max_num_seqs * per_seq + 4 * groups)
 
-    def seconds(self, decode: int, prefill: int, context: int, prefill_attention: int) -> float:
-        return self.base + self.per_decode * decode + self.per_prefill * prefill + self.per_context * context + \
-            self.per_prefill_attention * prefill_attention
+    def seconds(self, features: StepFeatures) -> float:
+        coefficients = (self.base, self.per_row, self.per_sampled, self.per_pair)
+        return sum(c * t for c, t in zip(coefficients, features.terms(self.knee), strict=True))
 
 
 @dataclass(frozen=True)
@@ -128,13 +162,13 @@ def replay(requests: list[PlannedRequest], config: EngineConfig, cost: StepCost,
         if out.is_empty:
             raise RuntimeError("the replay's scheduler admitted nothing: a request larger than the KV cache")
         bm.take_copies()
-        features = step_features(out, before=True)
+        features = step_features(out)
         scheduler.update(out)
         steps += 1
         batch += len(out.scheduled)
         peak = max(peak, bm.num_blocks - bm.num_free_blocks)
-        computed += features[1]
-        seconds += cost.seconds(*features)
+        computed += features.prefill
+        seconds += cost.seconds(features)
         for s in out.scheduled:
             seq = s.seq
             if seq.num_computed_tokens < seq.num_tokens:
@@ -183,43 +217,75 @@ def _cost_path(model_path: str | Path, config: EngineConfig) -> Path:
 
 
 def _measure(model_path: str | Path, config: EngineConfig) -> StepCost:
-    import numpy as np
-
     from bulkgen.engine.engine import Engine  # here: the replay needs no torch
 
     engine = Engine(model_path, config)  # the first on a machine races and builds the kernels (then cached)
     engine.stats.keep_steps = True
     list(engine.generate([[100, 101, 102, 103]], SamplingParams(max_new_tokens=2, ignore_eos=True)))
-    features: list[list[float]] = []  # of each step the scheduler made, as the replay counts them
+    features: list[StepFeatures] = []  # of each step the scheduler made, as the replay counts them
     schedule = engine.scheduler.schedule
 
     def recording() -> Any:
         out = schedule()
         if not out.is_empty:
-            features.append(list(step_features(out, before=True)))
+            features.append(step_features(out))
         return out
 
     engine.scheduler.schedule = recording
     rng = random.Random(0)
     vocab, longest = engine.runner.shape.vocab, min(1024, engine.max_model_len - 16)
-    rows: list[list[float]] = []
-    times: list[float] = []
-    # a few batches and contexts: small and large decode batches, short and long prompts (prefill in chunks)
-    for num, length, new in ((4, 256, 24), (32, 128, 16), (min(128, config.max_num_seqs), 64, 12), (8, longest, 12)):
-        prompts = [[rng.randrange(100, max(vocab, 200)) for _ in range(min(length, longest))] for _ in range(num)]
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(100, max(vocab, 200)) for _ in range(min(n, longest))]
+
+    # batches of 1 to 128 sequences (the knee), short and long prompts (prefill in chunks), many sequences at long
+    # contexts (a job's decode steps), some sharing a prefix (a job's documents, each computed once): (sequences,
+    # shared prompt tokens, own prompt tokens, new tokens); a model too big for CALIBRATION_S of them on this machine
+    # gets shorter prompts and fewer new tokens (its attention matters less)
+    most = config.max_num_seqs
+    shapes = [(1, 0, 256, 24), (4, 0, 256, 16), (16, 0, 96, 16), (min(128, most), 0, 32, 16), (8, 0, longest, 12),
+              (min(96, most), longest * 3 // 4, 64, 32), (min(48, most), 0, 256, 24)]
+    prefixes = 4  # the shared batch's sequences share one of these (a job's documents: more than the CPU's cache holds)
+    start = time.perf_counter()
+    list(engine.generate([tokens(128)], SamplingParams(max_new_tokens=1, ignore_eos=True)))
+    per_token = (time.perf_counter() - start) / 128  # a token through the model, roughly
+    fixed = prefixes * sum(shared for _, shared, _, _ in shapes)
+    work = sum(num * own + new * max(num, 16) for num, _, own, new in shapes)  # tokens through the model
+    scale = min(1.0, CALIBRATION_S / per_token / (work + fixed))
+    batches = []
+    for num, shared, own, new in shapes:
+        documents = [tokens(round(shared * scale ** 0.5)) for _ in range(prefixes if shared else 1)]  # once each
+        batches.append(([documents[i % len(documents)] + tokens(max(4, round(own * scale))) for i in range(num)],
+                        max(4, round(new * max(scale, 1 / 3)))))
+    measured: list[tuple[StepFeatures, float]] = []
+    for prompts, new in batches:
         engine.stats.steps.clear()
         features.clear()
         list(engine.generate(prompts, SamplingParams(max_new_tokens=new, ignore_eos=True)))
         steps = engine.stats.steps
-        for k in range(1, len(steps)):
-            rows.append([1.0, *features[k]])
-            times.append(steps[k].time - steps[k - 1].time)
+        measured += [(features[k], steps[k].time - steps[k - 1].time) for k in range(1, len(steps))]
     engine.scheduler.schedule = schedule
-    coefficients = _nonnegative_fit(np.array(rows), np.array(times))
+    coefficients, knee = _fit(measured)
     load_s = _load_seconds(model_path, config)
     kv, shape = engine.runner.kv, engine.runner.shape
-    return StepCost(*coefficients, load_s, engine.block_manager.num_blocks, kv.num_bytes // max(kv.tensor.shape[2], 1),
+    return StepCost(*coefficients, knee, load_s, engine.block_manager.num_blocks,
+                    kv.num_bytes // max(kv.tensor.shape[2], 1),
                     tuple(engine.runner.windows or (0,) * shape.num_layers), shape.num_layers, engine.max_model_len)
+
+
+def _fit(measured: list[tuple[StepFeatures, float]]) -> tuple[list[float], int]:
+    """The coefficients and the knee whose fit of these steps' times leaves the least squared error."""
+    import numpy as np
+
+    times = np.array([t for _, t in measured])
+    best: tuple[float, list[float], int] | None = None
+    for knee in KNEES:
+        x = np.array([f.terms(knee) for f, _ in measured])
+        coefficients = _nonnegative_fit(x, times)
+        error = float(((x @ np.array(coefficients) - times) ** 2).sum())
+        if best is None or error < best[0]:
+            best = (error, coefficients, knee)
+    return best[1], best[2]
 
 
 LOAD_SCRIPT = """
@@ -244,19 +310,22 @@ def _load_seconds(model_path: str | Path, config: EngineConfig) -> float:
         raise RuntimeError(f"bulkgen plan: timing the engine's load failed: {result.stderr.strip()[-500:]}") from None
 
 
-def step_features(out: Any, before: bool) -> tuple[int, int, int, int]:
-    """(decode tokens, prefill tokens, tokens attended, prefill attention: each chunk's tokens times its context)
-    of a scheduler's step; `before`: the sequences' computed tokens do not yet count this step's."""
-    decode = prefill = context = prefill_attention = 0
+def step_features(out: Any) -> StepFeatures:
+    """What a scheduler's step computes, counted before the step (the sequences' computed tokens do not yet hold
+    this step's)."""
+    decode = prefill = sampled = attended = prefill_attention = 0
     for s in out.scheduled:
-        computed = s.seq.num_computed_tokens - (0 if before else s.num_new_tokens)
-        context += computed + s.num_new_tokens
-        if s.num_new_tokens == 1 and s.seq.num_output_tokens > 0:
-            decode += 1
+        seq = s.seq
+        computed = seq.num_computed_tokens
+        attended += computed + s.num_new_tokens
+        if seq.num_output_tokens > 0 and s.num_new_tokens - s.num_draft_tokens == 1:  # a draft's rows decode too
+            decode += s.num_new_tokens
+            sampled += s.num_new_tokens
         else:
             prefill += s.num_new_tokens
             prefill_attention += s.num_new_tokens * (computed + s.num_new_tokens // 2)
-    return decode, prefill, context, prefill_attention
+            sampled += computed + s.num_new_tokens >= seq.num_tokens
+    return StepFeatures(decode, prefill, sampled, attended, prefill_attention)
 
 
 def _nonnegative_fit(x: Any, y: Any) -> list[float]:
@@ -265,7 +334,10 @@ def _nonnegative_fit(x: Any, y: Any) -> list[float]:
 
     keep = list(range(x.shape[1]))
     while True:
-        fit, *_ = np.linalg.lstsq(x[:, keep], y, rcond=None)
+        scale = np.abs(x[:, keep]).max(axis=0)  # the columns' units differ by 10^6: each solved in its own
+        scale[scale == 0] = 1.0
+        fit, *_ = np.linalg.lstsq(x[:, keep] / scale, y, rcond=None)
+        fit = fit / scale
         if (fit >= 0).all() or len(keep) == 1:
             coefficients = [0.0] * x.shape[1]
             for i, value in zip(keep, fit, strict=True):

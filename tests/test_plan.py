@@ -75,3 +75,28 @@ def test_plan_refuses_bad_candidates_in_one_line(db_url: str) -> None:
                        (("1", "--packing", "lpt,random"), "--packing must be one of")):
         result = invoke("plan", *args, expect=2)
         assert says in result.output and "Traceback" not in result.output
+
+
+def test_the_step_cost_fit_finds_the_knee_and_the_costs_of_steps_timed_by_them() -> None:
+    """Steps timed by a known cost (a knee of 8 rows): the fit gives it back, and predicts a step of a shape it did
+    not see."""
+    from bulkgen.plan import StepCost, StepFeatures, _fit
+
+    truth = StepCost(0.002, 0.0015, 0.0004, 6e-7, 8, 0.0, 1, 1)
+    rng = random.Random(0)
+    measured = []
+    for _ in range(200):
+        decode = rng.choice([rng.randint(1, 12), rng.randint(1, 128)])
+        prefill = rng.choice([0, 0, rng.randint(1, 512)])
+        attended = decode * rng.randint(16, 1024) + prefill
+        features = StepFeatures(decode, prefill, decode + (prefill > 0), attended, prefill * rng.randint(1, 800))
+        measured.append((features, truth.seconds(features)))
+    coefficients, knee = _fit(measured)
+    assert knee == 8
+    for expected, got in zip((truth.base, truth.per_row, truth.per_sampled, truth.per_pair), coefficients,
+                             strict=True):
+        assert got == pytest.approx(expected, rel=1e-3, abs=1e-9)
+    fitted = StepCost(*coefficients, knee, 0.0, 1, 1)
+    one_row = StepFeatures(1, 0, 1, 300, 0)  # one row costs what the knee's 8 do
+    assert fitted.seconds(one_row) == pytest.approx(truth.seconds(one_row))
+    assert fitted.seconds(one_row) > 8 * truth.per_row
