@@ -8,7 +8,7 @@ bulkgen knows every request of a job before it starts (its prompt's token ids an
 runs without a model, so the plan replays the real one: the packer's order and claims (`packing.order`,
 `claim_target`), the KV admission, the block manager with its prefix cache, chunked prefill, step by step, each
 step's time from a cost model of this machine and model (`StepCost`, below; fitted by least squares, no coefficient
-below 0, on about 10-30 s of real steps over synthetic prompts; and the engine's load; cached per machine, model and
+below 0, on about 30 s of real steps over synthetic prompts; and the engine's load; cached per machine, model and
 options in the user cache, like the kernel race).
 
 A step's seconds = a + b * max(rows, knee) + c * sampled rows + d * query-key pairs. Rows are the tokens through the
@@ -182,8 +182,9 @@ def replay(requests: list[PlannedRequest], config: EngineConfig, cost: StepCost,
 
 
 def calibrate(model_path: str | Path, config: EngineConfig, log: Any = None) -> StepCost:
-    """The step cost of this machine for this model and these options: measured once (about 10-30 s of real
-    steps over synthetic prompts of a few shapes), then read from the user cache."""
+    """The step cost of this machine for this model and these options: measured once (about 30 s of real
+    steps over synthetic prompts of a few shapes, ~40 s in all for SmolLM2 on a Zen 3, ~2 min for a 1B model), then
+    read from the user cache."""
     path = _cost_path(model_path, config)
     if path.is_file():
         try:
