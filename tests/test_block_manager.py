@@ -204,3 +204,25 @@ def test_partly_shared_blocks_are_found_copied_and_forgotten() -> None:
     for round_ in range(3):  # hand every block out again: all forgotten, nothing stale left in the index
         bm.free(run(list(range(1000 * (round_ + 1), 1000 * (round_ + 1) + 8 * 40 - 1))))
     assert all(bm._key[b] is not None for kept in bm._children.values() for b, _ in kept)
+
+
+def test_an_open_block_is_copied_from_while_it_fills_then_cached_whole() -> None:
+    """A running sequence's last block, not yet full, is a source of partly shared copies: its computed tokens
+    (and no more) are shared; once full it is cached as a whole block, nothing of it left open."""
+    bm = BlockManager(num_blocks=16, block_size=8)
+    a = Sequence(1, list(range(1, 14)), SamplingParams(max_new_tokens=8))  # a full block and 5 tokens
+    bm.allocate(a, 13)
+    a.num_computed_tokens = 13
+    bm.cache_full_blocks(a)
+    b = Sequence(2, [*range(1, 14), 50, 51], SamplingParams(max_new_tokens=1))
+    cached = bm.find_cached_prefix(b)
+    assert (len(cached), cached.partial, cached.source) == (1, 5, a.block_table[1])  # not the 6 b could take
+    for token in (14, 15, 16):  # a decodes to the end of its block
+        a.append_token(token)
+        bm.allocate(a, 1)
+        a.num_computed_tokens += 1
+        bm.cache_full_blocks(a)
+    c = Sequence(3, [*range(1, 17), 99], SamplingParams(max_new_tokens=1))
+    assert len(bm.find_cached_prefix(c)) == 2 and not bm._open
+    bm.free(a)
+    assert not bm._open

@@ -218,14 +218,14 @@ def test_decode_graphs_pad_to_their_bucket_and_equal_hf_generate(models) -> None
 
 def _shared_prefix_workload() -> list[tuple[list[int], int]]:
     """Three documents of 37-61 tokens, each asked five questions of 1-9 tokens: prompts that share full blocks and
-    then part of a block; and one prompt twice."""
+    then part of a block; one prompt twice, and one four times in a row (a prompt's samples, as `--n 4` gives)."""
     rng = random.Random(7)
     workload = []
     for length in (37, 50, 61):
         document = [rng.randrange(100, 40000) for _ in range(length)]
         workload += [(document + [rng.randrange(100, 40000) for _ in range(rng.randint(1, 9))], rng.randint(2, 12))
                      for _ in range(5)]
-    return [*workload, workload[4]]
+    return [*workload, workload[4], workload[9], workload[9], workload[9]]
 
 
 @pytest.mark.parametrize("path", ["lean-c", "lean-torch", "triton"])
@@ -249,6 +249,9 @@ def test_shared_prefixes_reused_part_blocks_included_equal_hf_generate(tiny_qwen
     assert [outputs[i].output_token_ids for i in range(len(workload))] == expected
     cached = [outputs[i].num_cached_tokens for i in range(len(workload))]
     assert any(n % 16 for n in cached), f"some prompt copied a partly shared block: {cached}"
+    # a prompt given again computes only its last token: the rest of its last block is copied from the first one's
+    # (open while it runs, kept once freed), the later copies waiting a step for it rather than computing it beside
+    assert [cached[i] - len(workload[i][0]) for i in range(15, len(workload))] == [-1] * 4, cached
     # the prompts' trie has `distinct` tokens; each prompt computes at least its last token (the duplicate's is not
     # distinct), and a block shared by fewer than PARTIAL_MIN_TOKENS is computed again
     distinct = distinct_tokens([p for p, _ in workload])

@@ -117,3 +117,27 @@ def test_finish_frees_blocks_and_leaves_the_queues() -> None:
     sched.finish(a, SequenceStatus.FINISHED_EOS)
     assert not sched.has_unfinished() and a.is_finished and a.finish_reason == "eos"
     assert sched.block_manager.num_free_blocks == 8
+
+
+def test_a_prompts_samples_compute_its_tokens_once() -> None:
+    """Four samples of one prompt (`--n 4`), queued together: one computes the prompt while the others wait a step,
+    then each takes its full blocks from the prefix cache and copies the rest of its last block from the first's
+    (open, not yet full), computing only the last token."""
+    sched = Scheduler(BlockManager(64, 16), max_num_seqs=8, max_num_batched_tokens=256)
+    prompt = list(range(100, 140))  # 2 full blocks and 8 tokens
+    samples = [Sequence(i, prompt, SamplingParams(temperature=1.0, seed=i)) for i in range(4)]
+    other = Sequence(9, list(range(500, 540)), SamplingParams())
+    for s in [*samples, other]:
+        sched.add(s)
+    assert run(sched) == [(0, 40)]  # (in strict order, without the packer's lookahead, the next prompt waits too)
+    assert run(sched) == [(0, 1), (1, 1), (2, 1), (3, 1), (9, 40)]
+    assert [s.num_cached_tokens for s in samples] == [0, 39, 39, 39]
+    copies = sched.block_manager.take_copies()
+    assert copies == [(samples[0].block_table[2], s.block_table[2]) for s in samples[1:]]
+    # freed, the first sample's last block still serves a later copy of the prompt, until it is handed out again
+    for s in samples:
+        sched.finish(s, SequenceStatus.FINISHED_LENGTH)
+    again = Sequence(5, prompt, SamplingParams())
+    sched.add(again)
+    run(sched)
+    assert again.num_cached_tokens == 39

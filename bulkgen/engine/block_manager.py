@@ -15,7 +15,11 @@ Past the last full block a prompt shares, the prefix usually goes on into a bloc
 document's last tokens, then each request's own question): where the layout has one group, a cached block that
 follows the same prefix and starts with the same tokens is found (`_partial`), and the new sequence's block is a copy
 of it (`take_copies`, done by the runner before the step's forward), its first tokens counted as computed. A whole
-block is copied: the slots past the shared tokens are written by the sequence before anything reads them.
+block is copied: the slots past the shared tokens are written by the sequence before anything reads them. A block
+that is not yet full is such a source too ("open": a sequence's last block, its computed tokens read from the
+sequence while it runs, and kept as they were once it frees the block, until the block is handed out again), so the
+samples of one prompt (`--n`), or a prompt given twice, compute the prompt's last tokens once: the scheduler admits
+one of them, and the others a step later (`tail_key`), when the first has computed its prompt.
 
 Layers that attend differently hold their K/V in groups (KVLayout, after vLLM's hybrid KV cache
 manager): a block of the pool holds one block of tokens for each of a group's layers, and a sequence
@@ -103,7 +107,7 @@ NO_PREFIX = CachedPrefix([], [])
 
 
 PARTIAL_MIN_TOKENS = 4  # the least a partly shared block must share to be copied (and its index's key)
-CHILDREN_KEPT = 8  # cached blocks remembered for each (prefix, first tokens): the latest
+CHILDREN_KEPT = 64  # blocks remembered for each (prefix, first tokens): the latest (a prompt's samples find theirs)
 
 
 def window_blocks(window: int, block_size: int) -> int:
@@ -132,6 +136,9 @@ class BlockManager:
         self._children: dict[tuple[int | None, tuple[int, ...]], deque[tuple[int, int]]] = {}
         self._child_key: dict[int, tuple[int | None, tuple[int, ...]]] = {}  # a cached block's key there
         self._copies: list[tuple[int, int]] = []  # (source, destination) blocks the runner copies before a step
+        # open blocks (a sequence's last, not yet full) in the index of partly shared blocks: block -> (its
+        # sequence, the block's place in it); their tokens are the sequence's computed ones there
+        self._open: dict[int, tuple[Sequence, int]] = {}
 
     @property
     def num_groups(self) -> int:
@@ -194,11 +201,11 @@ class BlockManager:
         tokens = tuple(seq.token_ids[start:start + most])
         best, source = 0, -1
         for block_id, prefix_hash in self._children.get((parent, tokens[:PARTIAL_MIN_TOKENS]), ()):
-            held = self._tokens[block_id]
+            held = self._held(block_id)
             if self._key[block_id] != (0, prefix_hash) or held is None:
                 continue  # handed out since
-            common = PARTIAL_MIN_TOKENS
-            while common < most and held[common] == tokens[common]:
+            common, end = PARTIAL_MIN_TOKENS, min(most, len(held))
+            while common < end and held[common] == tokens[common]:
                 common += 1
             if common > best:
                 best, source = common, block_id
@@ -222,6 +229,34 @@ class BlockManager:
         if not self.enable_prefix_caching or seq.num_computed_tokens >= seq.num_prompt_tokens:
             return []
         return self.prompt_hashes(seq)[len(seq.block_hashes):]
+
+    def tail_key(self, seq: Sequence) -> tuple | None:
+        """The prompt's tokens after its last full block but its last token, as a key: a sequence computing them
+        holds it while its prompt is in flight, and a sequence with the same prompt waits for them to be computed
+        and copies them (`_partial`, from an open block). None where there is nothing to copy."""
+        place = (seq.num_prompt_tokens - 1) // self.block_size
+        if self.part_key(seq, place) is None:
+            return None
+        return ("tail", self.part_key(seq, place), tuple(seq.prompt_token_ids[place * self.block_size:-1]))
+
+    def part_key(self, seq: Sequence, place: int) -> tuple | None:
+        """The prompt's block at `place` as the index of partly shared blocks finds it (the prefix before it, its
+        first PARTIAL_MIN_TOKENS tokens), for the scheduler's prompts in flight; None where no copy could be taken
+        from it (fewer tokens before the prompt's last, or a layout of several groups)."""
+        if not self.enable_prefix_caching or self.num_groups != 1 or self.layout.slides:
+            return None
+        start, ids = place * self.block_size, seq.prompt_token_ids
+        if len(ids) - 1 - start < PARTIAL_MIN_TOKENS:
+            return None
+        parent = self.prompt_hashes(seq)[place - 1] if place else None
+        return ("part", parent, tuple(ids[start:start + PARTIAL_MIN_TOKENS]))
+
+    def _held(self, block_id: int) -> tuple[int, ...] | list[int] | None:
+        """The computed tokens a block of the partly shared index holds."""
+        if block_id in self._open:
+            seq, place = self._open[block_id]
+            return seq.token_ids[place * self.block_size:seq.num_computed_tokens]
+        return self._tokens[block_id]
 
     def _prefix_tables(self, seq: Sequence, hashes: list[int], length: int) -> list[list[int]] | None:
         bs = self.block_size
@@ -285,7 +320,13 @@ class BlockManager:
         return copies
 
     def free(self, seq: Sequence) -> None:
-        """Release a sequence's blocks; full ones stay findable in the prefix cache until reused."""
+        """Release a sequence's blocks; full ones stay findable in the prefix cache until reused, and so does the
+        start of an open one."""
+        for table in seq.block_tables:
+            for block_id in table:
+                if block_id in self._open and self._open[block_id][0] is seq:
+                    self._tokens[block_id] = tuple(self._held(block_id))
+                    del self._open[block_id]
         for table in seq.block_tables:
             for block_id in reversed(table):
                 if block_id != self.null_block:
@@ -315,6 +356,8 @@ class BlockManager:
             prefix_hash = hash((seq.block_hashes[-1] if seq.block_hashes else None, tokens))
             for g, table in enumerate(seq.block_tables):
                 block_id = table[i]
+                if self._open.pop(block_id, None) is not None:  # open until now: filled, it is cached as a full one
+                    self._forget(block_id)
                 if block_id != self.null_block and self._key[block_id] is None:
                     self._key[block_id] = (g, prefix_hash)
                     self._tokens[block_id] = tokens
@@ -326,6 +369,25 @@ class BlockManager:
                         kept.append((block_id, prefix_hash))
                         self._child_key[block_id] = child_key
             seq.block_hashes.append(prefix_hash)
+        self._open_last(seq, num_full)
+
+    def _open_last(self, seq: Sequence, place: int) -> None:
+        """Enter a sequence's last block, holding some computed tokens but not full, in the partly shared index."""
+        filled = seq.num_computed_tokens - place * self.block_size
+        if filled < PARTIAL_MIN_TOKENS or self.num_groups != 1 or self.layout.slides:
+            return
+        block_id = seq.block_table[place]
+        if block_id in self._open or self._key[block_id] is not None:
+            return  # entered already (or cached: a block copied whole from another)
+        parent = seq.block_hashes[-1] if seq.block_hashes else None
+        start = place * self.block_size
+        child_key = (parent, tuple(seq.token_ids[start:start + PARTIAL_MIN_TOKENS]))
+        open_hash = hash(("open", parent, block_id))  # in no other index: the key says the block is still this one
+        self._open[block_id] = (seq, place)
+        self._key[block_id] = (0, open_hash)
+        kept = self._children.setdefault(child_key, deque(maxlen=CHILDREN_KEPT))
+        kept.append((block_id, open_hash))
+        self._child_key[block_id] = child_key
 
     def _release(self, block_id: int) -> None:
         self.ref_counts[block_id] -= 1
@@ -334,6 +396,7 @@ class BlockManager:
             self._free[block_id] = None
 
     def _forget(self, block_id: int) -> None:
+        self._open.pop(block_id, None)
         key = self._key[block_id]
         if key is not None and self._cached.get(key) == block_id:
             del self._cached[key]

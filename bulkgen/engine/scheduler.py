@@ -6,7 +6,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from bulkgen.engine.block_manager import BlockManager, CachedPrefix
+from bulkgen.engine.block_manager import PARTIAL_MIN_TOKENS, BlockManager, CachedPrefix
 from bulkgen.engine.sequence import Sequence, SequenceStatus
 
 
@@ -126,8 +126,10 @@ class Scheduler:
         i = 0
         horizon: int | None = None  # steps until the blocked head of the queue can start
         # A prompt block that a running sequence is still computing: a sequence whose next block it is waits for it
-        # to enter the prefix cache (a step or two of prefill) rather than compute it a second time beside it.
-        in_flight = {h for s in self.running for h in bm.blocks_in_flight(s)} if self.waiting else set()
+        # to enter the prefix cache (a step or two of prefill) rather than compute it a second time beside it; so does
+        # one that would copy the start of a block a running one is computing (bm.part_key: a document's last tokens,
+        # then each question's), or the last tokens of the same prompt (bm.tail_key: a prompt's samples).
+        in_flight = {h for s in self.running for h in self._in_flight(s)} if self.waiting else set()
         holders: dict[int, int] | None = None  # block -> the most steps left of a running sequence holding it
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[i]
@@ -138,8 +140,12 @@ class Scheduler:
                 cached = bm.find_cached_prefix(seq)
                 hashes = bm.prompt_hashes(seq) if in_flight else ()
                 # (the last token is always computed, so a block holding it is never taken from the cache)
-                shared = len(cached) < min(len(hashes), (seq.num_tokens - 1) // bm.block_size) \
-                    and hashes[len(cached)] in in_flight
+                full = (seq.num_tokens - 1) // bm.block_size
+                shared = len(cached) < min(len(hashes), full) and hashes[len(cached)] in in_flight
+                if in_flight and not shared and seq.num_output_tokens == 0:  # and a block it could copy part of
+                    shared = (not cached.partial and bm.part_key(seq, len(cached)) in in_flight) or (
+                        len(cached) == full and cached.num_tokens(bm.block_size) < seq.num_tokens - 1
+                        and bm.tail_key(seq) in in_flight)
                 num_new = min(seq.num_tokens - cached.num_tokens(bm.block_size), budget)
                 if cached and self.admission is not None and not bm.layout.slides:
                     holders = self._holders() if holders is None else holders
@@ -159,12 +165,27 @@ class Scheduler:
                 seq.num_cached_tokens = seq.num_computed_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            in_flight.update(bm.blocks_in_flight(seq))
+            in_flight.update(self._in_flight(seq))
             if holders is not None:
                 self._hold(holders, seq)
             out.scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
         return out
+
+    def _in_flight(self, seq: Sequence) -> list:
+        """The keys of what `seq`'s prefill is computing that a waiting sequence could share once computed: its
+        prompt's full blocks not yet cached, the start of each block it has not yet computed (bm.part_key), and its
+        prompt's last tokens (bm.tail_key) until they are computed."""
+        bm = self.block_manager
+        keys: list = bm.blocks_in_flight(seq)
+        computed, last = seq.num_computed_tokens, seq.num_prompt_tokens - 1
+        if computed < last:
+            first = computed // bm.block_size + (computed % bm.block_size >= PARTIAL_MIN_TOKENS)
+            keys += (key for place in range(first, last // bm.block_size + 1)
+                     if (key := bm.part_key(seq, place)) is not None)
+            if (tail := bm.tail_key(seq)) is not None:
+                keys.append(tail)
+        return keys
 
     def _holders(self) -> dict[int, int]:
         holders: dict[int, int] = {}
