@@ -145,6 +145,11 @@ class BlockManager:
         return self.layout.num_groups
 
     @property
+    def copies_partly_shared(self) -> bool:
+        """Whether a partly shared block is copied (`_partial`): where the layout has one group, none sliding."""
+        return self.num_groups == 1 and not self.layout.slides
+
+    @property
     def num_free_blocks(self) -> int:
         return len(self._free)
 
@@ -191,7 +196,7 @@ class BlockManager:
     def _partial(self, seq: Sequence, full: CachedPrefix) -> CachedPrefix:
         """`full`, and the longest start of the block after it that a cached block following the same prefix
         holds (at most the tokens before the last: its logits are needed), where the layout has one group."""
-        if self.num_groups != 1 or self.layout.slides:
+        if not self.copies_partly_shared:
             return full
         bs, start = self.block_size, len(full) * self.block_size
         most = min(bs - 1, seq.num_tokens - 1 - start)
@@ -235,15 +240,14 @@ class BlockManager:
         holds it while its prompt is in flight, and a sequence with the same prompt waits for them to be computed
         and copies them (`_partial`, from an open block). None where there is nothing to copy."""
         place = (seq.num_prompt_tokens - 1) // self.block_size
-        if self.part_key(seq, place) is None:
-            return None
-        return ("tail", self.part_key(seq, place), tuple(seq.prompt_token_ids[place * self.block_size:-1]))
+        part = self.part_key(seq, place)
+        return None if part is None else ("tail", part, tuple(seq.prompt_token_ids[place * self.block_size:-1]))
 
     def part_key(self, seq: Sequence, place: int) -> tuple | None:
         """The prompt's block at `place` as the index of partly shared blocks finds it (the prefix before it, its
         first PARTIAL_MIN_TOKENS tokens), for the scheduler's prompts in flight; None where no copy could be taken
         from it (fewer tokens before the prompt's last, or a layout of several groups)."""
-        if not self.enable_prefix_caching or self.num_groups != 1 or self.layout.slides:
+        if not self.enable_prefix_caching or not self.copies_partly_shared:
             return None
         start, ids = place * self.block_size, seq.prompt_token_ids
         if len(ids) - 1 - start < PARTIAL_MIN_TOKENS:
@@ -323,12 +327,10 @@ class BlockManager:
         """Release a sequence's blocks; full ones stay findable in the prefix cache until reused, and so does the
         start of an open one."""
         for table in seq.block_tables:
-            for block_id in table:
-                if block_id in self._open and self._open[block_id][0] is seq:
+            for block_id in reversed(table):
+                if block_id in self._open:  # (a sequence's own: an open block is never shared)
                     self._tokens[block_id] = tuple(self._held(block_id))
                     del self._open[block_id]
-        for table in seq.block_tables:
-            for block_id in reversed(table):
                 if block_id != self.null_block:
                     self._release(block_id)
         seq.block_tables = [[] for _ in range(self.num_groups)]
@@ -356,13 +358,13 @@ class BlockManager:
             prefix_hash = hash((seq.block_hashes[-1] if seq.block_hashes else None, tokens))
             for g, table in enumerate(seq.block_tables):
                 block_id = table[i]
-                if self._open.pop(block_id, None) is not None:  # open until now: filled, it is cached as a full one
+                if block_id in self._open:  # open until now: filled, it is cached as a full one
                     self._forget(block_id)
                 if block_id != self.null_block and self._key[block_id] is None:
                     self._key[block_id] = (g, prefix_hash)
                     self._tokens[block_id] = tokens
                     self._cached.setdefault((g, prefix_hash), block_id)
-                    if self.num_groups == 1 and not self.layout.slides:
+                    if self.copies_partly_shared:
                         parent = seq.block_hashes[-1] if seq.block_hashes else None
                         child_key = (parent, tokens[:PARTIAL_MIN_TOKENS])
                         kept = self._children.setdefault(child_key, deque(maxlen=CHILDREN_KEPT))
@@ -374,7 +376,7 @@ class BlockManager:
     def _open_last(self, seq: Sequence, place: int) -> None:
         """Enter a sequence's last block, holding some computed tokens but not full, in the partly shared index."""
         filled = seq.num_computed_tokens - place * self.block_size
-        if filled < PARTIAL_MIN_TOKENS or self.num_groups != 1 or self.layout.slides:
+        if filled < PARTIAL_MIN_TOKENS or not self.copies_partly_shared:
             return
         block_id = seq.block_table[place]
         if block_id in self._open or self._key[block_id] is not None:
