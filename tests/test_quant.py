@@ -68,6 +68,43 @@ def test_integer_products_are_exact(kernel: str) -> None:
         assert torch.equal(layer(torch.tensor(x, dtype=torch.float32)), torch.tensor((x @ w.T).astype(np.float32)))
 
 
+@pytest.mark.parametrize("kernel", [k for k in KERNELS if k != "torch"])
+def test_activation_ties_round_to_even(kernel: str) -> None:
+    """x / d exactly halfway between two integers rounds to the even one, as torch.round: each block's largest
+    |x| is 127 (d = 1), the other values k + 0.5, and w, 127 times the identity (scale 1), picks each quantized
+    value out, times 127."""
+    k = 70  # two full blocks and a zero-padded one
+    x = np.tile(np.arange(k) % 60 - 29.5, (3, 1)).astype(np.float32)
+    x[:, ::32] = 127
+    x[1] = -x[1]
+    layer = Int8Linear(torch.eye(k) * 127, None, _kernel(kernel))
+    got = layer(torch.tensor(x))
+    assert torch.equal(got, torch.round(torch.tensor(x)) * 127)
+
+
+@pytest.mark.parametrize("kernel", [k for k in KERNELS if k != "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_layer_in_one_pass_equals_the_two_steps(dtype: torch.dtype, kernel: str) -> None:
+    """The MLP input through the one-pass kernel (each panel's gate and up sums meet in cache) has the same bits
+    as the int8 product of the fused weight followed by silu_mul (ops.c), and lies within float rounding of
+    silu(gate) * up from the float64 reference layer."""
+    from bulkgen.engine.cpu.ops import Ops
+    from bulkgen.engine.quant import Int8GatedLinear
+
+    rng = np.random.default_rng(2)
+    gate, up = torch.nn.Linear(200, 96, bias=False), torch.nn.Linear(200, 96, bias=False)
+    x = torch.tensor(rng.standard_normal((13, 200)).astype(np.float32)).to(dtype)
+    ops = Ops(_kernel(kernel), dtype)
+    layer = Int8GatedLinear(gate, up, ops, _kernel(kernel))
+    assert layer.one_pass
+    got = layer(x)
+    assert torch.equal(got, ops.silu_mul(layer.linear(x)))
+    reference = _reference_w8a8(x.float().numpy(), torch.cat([gate.weight, up.weight]).detach().numpy())
+    g, u = reference[:, :96], reference[:, 96:]
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    np.testing.assert_allclose(got.float().numpy(), g / (1 + np.exp(-g)) * u, rtol=tolerance, atol=tolerance)
+
+
 @pytest.mark.parametrize("kernel", list(KERNELS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_layer_equals_the_reference(dtype: torch.dtype, kernel: str) -> None:
@@ -156,6 +193,7 @@ def test_int8_greedy_equals_hf_generate_with_reference_layers(family: str, tiny_
         assert (engine.runner.forward is not None) == lean
         if lean:
             assert (engine.runner.forward.layers[0].down.kernel is not None) == (kernels == "c")
+            assert engine.runner.forward.layers[0].mlp_in.one_pass == (kernels == "c")
         assert engine_greedy(engine, workload) == expected, (kernels, lean)
 
 

@@ -7,7 +7,8 @@ run synchronously on a CPU, so each timer is the piece's own time.
 
     python tools/profile_step.py MODEL WORKLOAD.parquet DTYPE [LIMIT]
 
-MODEL: a Hugging Face directory; BULKGEN_KERNELS picks paths as usual; BS=N sets the KV block size.
+MODEL: a Hugging Face directory; BULKGEN_KERNELS picks paths as usual; BS=N sets the KV block size; QUANT=int8
+(or gguf, none) sets --quantization.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from transformers import AutoTokenizer
 
 from bulkgen.bench.workload import from_parquet
 from bulkgen.config import EngineConfig, SamplingParams
-from bulkgen.engine import attention, layers, llama
+from bulkgen.engine import attention, layers, llama, quant
 from bulkgen.engine.cpu import ops as cpu_ops
 from bulkgen.engine.engine import Engine
 
@@ -52,13 +53,17 @@ def main() -> None:
     model, path, dtype = sys.argv[1:4]
     limit = int(sys.argv[4]) if len(sys.argv) > 4 else None
     workload = from_parquet(Path(path), AutoTokenizer.from_pretrained(model), limit=limit)
-    engine = Engine(model, EngineConfig(dtype=dtype, block_size=int(os.environ.get("BS", "32"))))
+    engine = Engine(model, EngineConfig(dtype=dtype, block_size=int(os.environ.get("BS", "32")),
+                                          quantization=os.environ.get("QUANT", "auto")))
     runner = engine.runner
     if runner.forward is None:
         sys.exit("the model runs through Hugging Face's modules: this profile times the lean forward only")
     head = runner.forward.lm_head
     layers.Linear.__call__ = timed(lambda a: "lm_head" if a[0] is head else "linear", layers.Linear.__call__)
     layers.GatedLinear.__call__ = timed(lambda a: "gated_mlp", layers.GatedLinear.__call__)
+    quant.Int8Linear.__call__ = timed(lambda a: "linear", quant.Int8Linear.__call__)
+    quant.SiluMulAfter.__call__ = timed(lambda a: "gated_mlp", quant.SiluMulAfter.__call__)
+    quant.Int8GatedLinear.__call__ = timed(lambda a: "gated_mlp", quant.Int8GatedLinear.__call__)
     attention.decode_c = timed(lambda a: "attn_decode", attention.decode_c, outer=True)
     attention.decode_torch = timed(lambda a: "attn_decode", attention.decode_torch, outer=True)
     attention.prefill_c = timed(lambda a: "attn_prefill", attention.prefill_c, outer=True)

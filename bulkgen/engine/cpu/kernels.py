@@ -78,6 +78,8 @@ SIGNATURES: dict[str, tuple[type | None, str]] = {
     "paged_prefill_amx": (_I, "q:p k_cache:p v_cache:p table:p start:i n:i out:p num_heads:i num_kv_heads:i "
                               "head_dim:i block_size:i scale:f num_threads:i"),
     "qlinear": (None, "x:p M:i64 K:i64 dtype:i packed:p N:i64 scale:p bias:p y:p num_threads:i"),
+    "qlinear_silu_mul": (None, "x:p M:i64 K:i64 dtype:i packed:p N:i64 scale:p bias:p y:p num_threads:i"),
+    "qlinear_silu_mul_takes": (_I, "N:i64"),
     "pack_qlinear": (None, "w:p N:i64 K:i64 out:p num_threads:i"),
     "qlinear_packed_size": (_I64, "N:i64 K:i64"), "qlinear_available": (_I, ""),
     "qblocks_linear": (None, "fmt:i x:p M:i64 K:i64 dtype:i packed:p N:i64 bias:p y:p ldy:i64 num_threads:i"),

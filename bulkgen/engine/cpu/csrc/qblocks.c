@@ -174,24 +174,15 @@ static __attribute__((unused)) void block_scales(const qformat *f, const uint8_t
  * as qgemm.c. */
 static void quantize_x(const void *x, int dtype, int64_t K, int wb, int8_t *p, float *dx, int32_t *psum) {
     for (int64_t b = 0; b < K / QB; b++) {
-        float v[QB], amax = 0.0f;
-        for (int t = 0; t < QB; t++) {
-            v[t] = load(x, b * QB + t, dtype);
-            amax = fabsf(v[t]) > amax ? fabsf(v[t]) : amax;
-        }
-        float d = amax / 127.0f;
-        if (!(d > 0.0f))
-            d = 1.0f;
-        for (int h = 0; h < QB / wb; h++) {
-            int32_t total = 0;
-            for (int t = h * wb; t < (h + 1) * wb; t++) {
-                float r = nearbyintf(v[t] / d);
-                r = r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r;
-                p[b * QB + t] = (int8_t)r;
-                total += (int8_t)r;
-            }
-            dx[b * (QB / wb) + h] = d;
-            psum[b * (QB / wb) + h] = total;
+        int32_t sums[2];
+        float d = quantize_block32(x, b * QB, dtype, p + b * QB, sums);
+        if (wb == QB) {
+            dx[b] = d;
+            psum[b] = sums[0] + sums[1];
+        } else {  /* blocks of 16 */
+            dx[2 * b] = dx[2 * b + 1] = d;
+            psum[2 * b] = sums[0];
+            psum[2 * b + 1] = sums[1];
         }
     }
 }
@@ -556,10 +547,8 @@ void qblocks_linear(int fmt, const void *x, int64_t M, int64_t K, int dtype, con
 #endif
                     qbtile(fmt, mr, xq + r0 * K, dx + r0 * nbw, psum + r0 * nbw, K, packed + p * pb, acc);
                 for (int64_t r = 0; r < mr; r++)
-                    for (int j = 0; j < ncols; j++) {
-                        float v = acc[r * QNR + j] + (bias ? bias[p * QNR + j] : 0.0f);
-                        store(y, (r0 + r) * ldy + p * QNR + j, v, dtype);
-                    }
+                    store_panel_row(acc + r * QNR, ncols, NULL, bias ? bias + p * QNR : NULL,
+                                    (char *)y + ((r0 + r) * ldy + p * QNR) * elem, dtype);
             }
         }
         free(uq);

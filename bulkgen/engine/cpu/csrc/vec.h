@@ -131,4 +131,70 @@ static inline void silu_mul_span(const void *gate, const void *up, void *out, in
     }
 }
 
+/* One block of 32 values of x from element i (dtype as load's) quantized as engine/quant.py's quantize_rows:
+ * d = max|x| / 127 (1 for a block of zeros), q = round-half-even(x / d) clamped to [-127, 127]; sums[h] gets the
+ * sum of q over half h (16 values). Returns d. The same bits as the scalar math: the division is IEEE's and
+ * (r + 1.5 * 2^23) - 1.5 * 2^23 rounds |r| < 2^22 to nearest even. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+typedef int8_t vb __attribute__((vector_size(VN)));
+static inline float quantize_block32(const void *x, int64_t i, int dtype, int8_t *q, int32_t sums[2]) {
+    vf v[32 / VN], top = {0};
+    for (int j = 0; j < 32 / VN; j++) {
+        v[j] = vload(x, i + j * VN, dtype);
+        vf a = float_of(bits_of(v[j]) & 0x7fffffffu);
+        vu more = (vu)(a > top);
+        top = float_of((bits_of(a) & more) | (bits_of(top) & ~more));
+    }
+#if defined(__AVX512F__)
+    float amax = _mm512_reduce_max_ps((__m512)top);  /* top holds no NaN: max is exact in any order */
+#else
+    float amax = 0.0f;
+    for (int l = 0; l < VN; l++)
+        amax = top[l] > amax ? top[l] : amax;
+#endif
+    float d = amax / 127.0f;
+    if (!(d > 0.0f))
+        d = 1.0f;
+    vi half[2] = {{0}, {0}};
+    for (int j = 0; j < 32 / VN; j++) {
+        vf r = (v[j] / d + 12582912.0f) - 12582912.0f;
+        vu high = (vu)(r > 127.0f), low = (vu)(r < -127.0f);
+        r = float_of((bits_of(r) & ~high & ~low) | (bits_of((vf){0} + 127.0f) & high) | (bits_of((vf){0} - 127.0f) & low));
+        vi qi = __builtin_convertvector(r, vi);
+        vb qb = __builtin_convertvector(qi, vb);
+        memcpy(q + j * VN, &qb, VN);
+        half[j * VN / 16] += qi;
+    }
+    for (int h = 0; h < 2; h++) {
+#if defined(__AVX512F__)
+        sums[h] = _mm512_reduce_add_epi32((__m512i)half[h]);
+#else
+        int32_t total = 0;
+        for (int l = 0; l < VN; l++)
+            total += half[h][l];
+        sums[h] = total;
+#endif
+    }
+    return d;
+}
+
+/* A row of a panel's 32 outputs (float32 sums) to y in its dtype: y = sum * scale + bias (scale, bias: the
+ * panel's, each may be NULL), ncols of them (fewer in the last panel). */
+static inline void store_panel_row(const float *sum, int ncols, const float *scale, const float *bias, void *y,
+                                   int dtype) {
+    if (ncols == 32) {
+        for (int j = 0; j < 32; j += VN) {
+            vf v = vload_f32(sum + j);
+            if (scale) v = v * vload_f32(scale + j);
+            if (bias) v = v + vload_f32(bias + j);
+            vstore(y, j, v, dtype);
+        }
+        return;
+    }
+    for (int j = 0; j < ncols; j++)
+        store(y, j, sum[j] * (scale ? scale[j] : 1.0f) + (bias ? bias[j] : 0.0f), dtype);
+}
+
 #endif
