@@ -1,5 +1,6 @@
 """One quantized linear layer's speed, GOP/s, per kernel build: --quantization int8's Int8Linear and each GGUF
-block format's BlockLinear (random weights), beside torch's bfloat16 and float32 nn.Linear, at a few row counts.
+block format's BlockLinear (random weights), beside our C bfloat16 GEMM (where the CPU has its products: what
+--quantization none runs there) and torch's bfloat16 and float32 nn.Linear, at a few row counts.
 
     python tools/quant_layers.py                                   # the build the engine uses here
     python tools/quant_layers.py --cflags "-mno-avx512f -mno-avxvnni"   # the AVX2 kernels (AMD Zen 3's)
@@ -15,9 +16,10 @@ import torch
 
 from bulkgen.engine.blocks import BlockLinear, Blocks, _Part
 from bulkgen.engine.cpu.kernels import load_cpu_kernels
+from bulkgen.engine.layers import Linear, kernel_takes
 from bulkgen.engine.quant import Int8Linear
 
-ROWS = (4, 36, 128)
+ROWS = (4, 36, 128, 512)
 
 
 def _blocks(kind: str, n: int, k: int, rng: np.random.Generator) -> Blocks:
@@ -65,6 +67,9 @@ def main() -> None:
         rows[kind] = BlockLinear([_Part(_blocks(kind, n, k, rng), kernel)], None)
     for name, layer in rows.items():
         print(f"{name:10s}", " / ".join(f"{r:.0f}" for r in _rate(layer, k, n, torch.bfloat16)))
+    if kernel_takes(kernel, weight.bfloat16()):  # our C bfloat16 GEMM, what --quantization none runs here
+        print(f"{'C bfloat16':10s}", " / ".join(f"{r:.0f}" for r in _rate(Linear(weight.bfloat16(), None, True, kernel),
+                                                                          k, n, torch.bfloat16)))
     for dtype in (torch.bfloat16, torch.float32):
         linear = torch.nn.Linear(k, n, bias=False).to(dtype)
         print(f"{'torch ' + str(dtype)[6:]:10s}", " / ".join(f"{r:.0f}" for r in _rate(linear, k, n, dtype)))
