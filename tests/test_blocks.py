@@ -102,6 +102,25 @@ def test_layer_equals_the_reference(kind: str, build: str | None, dtype: torch.d
     np.testing.assert_allclose(got.float().numpy(), expected, rtol=tolerance, atol=tolerance * scale)
 
 
+@pytest.mark.parametrize("build", INT8_BUILDS)
+def test_a_rows_output_never_depends_on_the_rows_beside_it(build: str) -> None:
+    """Each row alone and within steps of 1 to 43 rows (every split into row tiles, uneven ones included) gives
+    the same bits, for the int8 layers (plain and the gated one-pass) and each GGUF block format."""
+    from bulkgen.engine.cpu.ops import Ops
+    from bulkgen.engine.quant import Int8GatedLinear, Int8Linear
+
+    rng = np.random.default_rng(5)
+    x = torch.tensor(rng.standard_normal((43, 256)).astype(np.float32)).to(torch.bfloat16)
+    gate, up = torch.nn.Linear(256, 64, bias=False), torch.nn.Linear(256, 64, bias=False)
+    layers = {"int8": Int8Linear(gate.weight, None, kernel(build)),
+              "int8 gated": Int8GatedLinear(gate, up, Ops(kernel(build), torch.bfloat16), kernel(build))}
+    layers.update((kind, _layer(decode(_raw(kind, 40, 256, rng), kind, 256), build)) for kind in KINDS)
+    for name, layer in layers.items():
+        alone = torch.cat([layer(x[i:i + 1]) for i in range(43)])
+        for m in (7, 13, 31, 37, 43):
+            assert torch.equal(layer(x[:m]), alone[:m]), (name, m)
+
+
 class _ReferenceLinear(torch.nn.Module):
     """An nn.Linear of the weights transformers dequantized from the GGUF file (with the gguf package), its
     activations quantized per block of 32: in float64, numpy."""

@@ -522,7 +522,7 @@ void qblocks_linear(int fmt, const void *x, int64_t M, int64_t K, int dtype, con
     #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t m = 0; m < M; m++)
         quantize_x((const char *)x + m * K * elem, dtype, K, f->wb, xq + m * K, dx + m * nbw, psum + m * nbw);
-    int64_t groups = (M + QMR_MAX - 1) / QMR_MAX, rows = (M + groups - 1) / groups;
+    int64_t groups = (M + QMR_MAX - 1) / QMR_MAX;  /* row tiles, balanced: 37 rows are 6 + 6 + 5 x 5, not 6 x 6 + 1 */
     /* Several row tiles: each panel unpacked once for all of them, where its unpacking costs more than the copy
      * (6 bits: from 2 tiles; 4 bits: from 16; never 8 bits: measured per layer of the 1B shape, BENCHMARKS.md) */
     int unpack = QB_UNPACK && (f->bits == 6 ? groups > 1 : f->bits == 4 ? groups >= 16 : 0);
@@ -538,8 +538,8 @@ void qblocks_linear(int fmt, const void *x, int64_t M, int64_t K, int dtype, con
             if (unpack)
                 unpack_panel(f, packed + p * pb, K, uq, sv, sv + nbw * QNR);
 #endif
-            for (int64_t r0 = 0; r0 < M; r0 += rows) {
-                int64_t mr = M - r0 < rows ? M - r0 : rows;
+            for (int64_t t = 0, r0 = 0, mr; t < groups; t++, r0 += mr) {
+                mr = M / groups + (t < M % groups);
 #if QB_UNPACK
                 if (unpack)
                     QBUTILES[fmt][mr](xq + r0 * K, dx + r0 * nbw, psum + r0 * nbw, K, uq, sv, sv + nbw * QNR, acc);

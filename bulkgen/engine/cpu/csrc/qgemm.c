@@ -196,13 +196,13 @@ static void qlinear_run(const void *x, int64_t M, int64_t K, int dtype, const ui
     #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t m = 0; m < M; m++)
         quantize_row((const char *)x + m * K * elem, dtype, K, xq + m * kpad, d + m * nb, start + m * nb);
-    int64_t groups = (M + QMR_MAX - 1) / QMR_MAX, rows = (M + groups - 1) / groups;
+    int64_t groups = (M + QMR_MAX - 1) / QMR_MAX;  /* row tiles, balanced: 37 rows are 6 + 6 + 5 x 5, not 6 x 6 + 1 */
     #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t p = 0; p < panels; p++) {
         float acc[QMR_MAX * QNR], up[QMR_MAX * QNR];
         int ncols = (int)(N - p * QNR < QNR ? N - p * QNR : QNR);
-        for (int64_t r0 = 0; r0 < M; r0 += rows) {
-            int64_t mr = M - r0 < rows ? M - r0 : rows;
+        for (int64_t t = 0, r0 = 0, mr; t < groups; t++, r0 += mr) {
+            mr = M / groups + (t < M % groups);
             qtile(mr, xq + r0 * kpad, d + r0 * nb, start + r0 * nb, nb, packed + p * kpad * QNR, acc);
             if (gated)
                 qtile(mr, xq + r0 * kpad, d + r0 * nb, start + r0 * nb, nb, packed + (panels + p) * kpad * QNR, up);
