@@ -44,9 +44,9 @@ void pack_qlinear(const int8_t *w, int64_t N, int64_t K, uint8_t *out, int num_t
                 }
 }
 
-/* Row of x (float32 or bfloat16) -> q [padded_k(K)] int8 (zero-padded), and per block its scale d and
- * where the tile's int32 sums of u q start, -128 * sum of q: d = max|x| / 127 over the block (1 for zeros), q = round-half-even(x / d), as
- * engine/quant.py's quantize_rows (vec.h's quantize_block32). */
+/* Row of x (float32 or bfloat16) -> q [padded_k(K)] int8 (zero-padded), and per block its scale d and where
+ * the tile's int32 sums of u q start, -128 * sum of q: d = max|x| / 127 over the block (1 for zeros),
+ * q = round-half-even(x / d), as engine/quant.py's quantize_rows (vec.h's quantize_block32). */
 static void quantize_row(const void *x, int dtype, int64_t K, int8_t *q, float *d, int32_t *start) {
     size_t elem = dtype ? 2 : 4;
     for (int64_t b = 0; b * QB < K; b++) {

@@ -9,6 +9,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #if defined(__AVX512F__)
 #define VN 16
@@ -135,9 +138,6 @@ static inline void silu_mul_span(const void *gate, const void *up, void *out, in
  * d = max|x| / 127 (1 for a block of zeros), q = round-half-even(x / d) clamped to [-127, 127]; sums[h] gets the
  * sum of q over half h (16 values). Returns d. The same bits as the scalar math: the division is IEEE's and
  * (r + 1.5 * 2^23) - 1.5 * 2^23 rounds |r| < 2^22 to nearest even. */
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 typedef int8_t vb __attribute__((vector_size(VN)));
 static inline float quantize_block32(const void *x, int64_t i, int dtype, int8_t *q, int32_t sums[2]) {
     vf v[32 / VN], top = {0};
@@ -180,8 +180,8 @@ static inline float quantize_block32(const void *x, int64_t i, int dtype, int8_t
     return d;
 }
 
-/* A row of a panel's 32 outputs (float32 sums) to y in its dtype: y = sum * scale + bias (scale, bias: the
- * panel's, each may be NULL), ncols of them (fewer in the last panel). */
+/* A row of a panel's 32 outputs (float32 sums; the quantized layers' QNR) to y in its dtype: y = sum * scale +
+ * bias (scale, bias: the panel's, each may be NULL), ncols of them (fewer in the last panel). */
 static inline void store_panel_row(const float *sum, int ncols, const float *scale, const float *bias, void *y,
                                    int dtype) {
     if (ncols == 32) {
