@@ -97,19 +97,53 @@ def sliding_window(config: Any) -> int | None:
     return window if getattr(config, "use_sliding_window", True) is not False else None
 
 
-def weight_count(model_dir: Path) -> int | None:
-    """The number of weights in a model directory's safetensors files (their headers only: no tensor is read),
-    or None where it holds none (a .bin checkpoint: the caller estimates from the shape)."""
-    total, found = 0, False
-    for path in sorted(Path(model_dir).glob("*.safetensors")):
-        found = True
+def checkpoint_files(model_dir: Path) -> list[Path] | None:
+    """The safetensors files from_pretrained reads (those its index names, else model.safetensors, else every
+    *.safetensors file); None where the directory has none (a .bin checkpoint)."""
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
         try:
-            with open(path, "rb") as f:
-                header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-        except (OSError, ValueError) as exc:
-            raise ModelError(f"cannot read the weights file {path}: {exc}") from exc
-        total += sum(math.prod(t["shape"]) for key, t in header.items() if key != "__metadata__")
-    return total if found else None
+            weight_map = json.loads(index.read_text())["weight_map"]
+            return [model_dir / name for name in sorted(set(weight_map.values()))]
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ModelError(f"cannot read {index}: {exc}") from exc
+    if (model_dir / "model.safetensors").is_file():
+        return [model_dir / "model.safetensors"]
+    return sorted(model_dir.glob("*.safetensors")) or None
+
+
+def safetensors_header(path: Path) -> tuple[int, dict[str, Any]]:
+    """Where a safetensors file's data starts, and its header: name -> dtype, shape, data_offsets (and
+    __metadata__)."""
+    try:
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size))
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"cannot read the weights file {path}: {exc}") from exc
+    if not isinstance(header, dict):
+        raise ModelError(f"cannot read the weights file {path}: its header is not a table of tensors")
+    return 8 + size, header
+
+
+def weight_count(model_dir: Path, vocab: int | None = None) -> int | None:
+    """The number of weights in a model directory's safetensors files (their headers only: no tensor is read),
+    or None where it holds none (a .bin checkpoint: the caller estimates from the shape). vocab: count only the
+    linear layers' weights (every 2-D weight whose rows or columns are not the vocabulary's: the embeddings
+    and the output head are not counted)."""
+    files = checkpoint_files(model_dir)
+    if files is None:
+        return None
+    total = 0
+    for path in files:
+        for key, t in safetensors_header(path)[1].items():
+            if key == "__metadata__":
+                continue
+            shape = t["shape"]
+            if vocab is None or (key.endswith(".weight") and len(shape) == 2 and vocab not in shape):
+                total += math.prod(shape)
+    return total
 
 
 def estimated_weight_count(shape: ModelShape) -> int:

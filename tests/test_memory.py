@@ -3,8 +3,10 @@ CPU computes it natively, and refuses with the numbers, before loading anything,
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -49,6 +51,47 @@ def test_weights_are_counted_from_the_safetensors_headers(tmp_path: Path, defaul
     estimate = estimated_weight_count(ModelShape.of(read_config(model_dir)))
     assert abs(estimate - weight_count(model_dir)) < 0.02 * weight_count(model_dir)
     assert weight_count(tmp_path) is None
+    linear = sum(m.weight.numel() for m in model.modules()
+                 if type(m) is torch.nn.Linear and m is not model.get_output_embeddings())
+    assert weight_count(model_dir, vocab=model.config.vocab_size) == linear  # what --quantization int8 keeps in int8
+
+
+def test_int8_counts_the_linear_weights_at_a_byte(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An 8B Llama's safetensors (its header only: shapes, no data) on a machine with 16 GiB free: float32 needs
+    32 GB and bfloat16 16 GB beside the KV cache, so neither fits, and --quantization int8, which quantizes as
+    it reads (7 B linear weights at a byte, the rest in float32), fits."""
+    from transformers import LlamaConfig
+
+    from bulkgen.config import EngineConfig
+    from bulkgen.engine.memory import run_plan
+
+    config = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8)
+    config.save_pretrained(tmp_path)
+    shapes = {"model.embed_tokens.weight": [128256, 4096], "lm_head.weight": [128256, 4096],
+              "model.norm.weight": [4096]}
+    for i in range(32):
+        layer = f"model.layers.{i}."
+        shapes.update({layer + "self_attn.q_proj.weight": [4096, 4096], layer + "self_attn.k_proj.weight": [1024, 4096],
+                       layer + "self_attn.v_proj.weight": [1024, 4096], layer + "self_attn.o_proj.weight": [4096, 4096],
+                       layer + "mlp.gate_proj.weight": [14336, 4096], layer + "mlp.up_proj.weight": [14336, 4096],
+                       layer + "mlp.down_proj.weight": [4096, 14336], layer + "input_layernorm.weight": [4096],
+                       layer + "post_attention_layernorm.weight": [4096]})
+    header, offset = {}, 0
+    for name, shape in shapes.items():
+        size = 2 * int(np.prod(shape))
+        header[name] = {"dtype": "BF16", "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header).encode()
+    (tmp_path / "model.safetensors").write_bytes(len(raw).to_bytes(8, "little") + raw)
+    assert weight_count(tmp_path) == 8_030_261_248  # Llama-3.1-8B's
+    monkeypatch.setenv(MEMORY_LIMIT_ENV, "16GiB")
+    kv = 2 * GIB
+    assert run_plan(tmp_path, EngineConfig(quantization="int8", kv_cache_memory=kv), False) == ("int8", "float32", None)
+    with pytest.raises(ConfigError, match="fits in no dtype"):
+        run_plan(tmp_path, EngineConfig(kv_cache_memory=kv), False)
+    with pytest.raises(ConfigError, match=r"its int8 weights take 6\.6 GiB, its 1\.05 B other weights take"):
+        run_plan(tmp_path, EngineConfig(quantization="int8", kv_cache_memory=7 * GIB), False)
 
 
 def test_the_memory_limit_caps_what_counts_as_free(monkeypatch: pytest.MonkeyPatch) -> None:

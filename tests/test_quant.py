@@ -5,7 +5,11 @@ products bit-exact, the layers' outputs to float rounding, and greedy decoding e
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +22,7 @@ from bulkgen.engine.engine import Engine
 from bulkgen.engine.quant import Int8Linear
 from bulkgen.errors import ConfigError
 from tests.builds import HAS_AVX512F, HAS_AVX_VNNI
+from tests.test_model_families import SLIDING, tiny_model
 
 
 def _quantize(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -178,10 +183,12 @@ def engine_greedy(engine: Engine, workload: list[tuple[list[int], int]]) -> list
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_int8_greedy_equals_hf_generate_with_reference_layers(family: str, tiny_model_dir: Path,
-                                                               tiny_qwen2_dir: Path) -> None:
+                                                               tiny_qwen2_dir: Path,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
     """Each path (our lean forward with the C kernels, the int8 products included; the same in torch; Hugging
     Face's modules) against HF generate() on the same weights with the reference W8A8 layer (qwen2: biases on
-    q, k, v)."""
+    q, k, v). The weights are quantized as they are read (int8_load.py), not after a float load."""
+    caplog.set_level(logging.INFO, logger="bulkgen.engine.loading")
     model_dir = {"llama": tiny_model_dir, "qwen2": tiny_qwen2_dir}[family]
     rng = random.Random(3)
     workload = [([rng.randrange(100, 40000) for _ in range(n)], rng.randint(4, 24)) for n in (1, 9, 40, 130)]
@@ -195,6 +202,7 @@ def test_int8_greedy_equals_hf_generate_with_reference_layers(family: str, tiny_
             assert (engine.runner.forward.layers[0].down.kernel is not None) == (kernels == "c")
             assert engine.runner.forward.layers[0].mlp_in.one_pass == (kernels == "c")
         assert engine_greedy(engine, workload) == expected, (kernels, lean)
+    assert "first" not in caplog.text  # no float load
 
 
 def test_int8_sampled_draws_come_from_the_reference_models_distribution(tiny_model_dir: Path) -> None:
@@ -225,6 +233,83 @@ def test_int8_sampled_draws_come_from_the_reference_models_distribution(tiny_mod
             assert _hf_probs(logits[position].float(), params)[token] > 0
             drawn += token != int(logits[position].argmax())
     assert drawn > 0  # not greedy in disguise
+
+
+@pytest.mark.parametrize("family", ["phi3", "gemma3", "mixtral"])
+def test_int8_of_other_families_equals_hf_generate_with_reference_layers(family: str, tmp_path: Path,
+                                                                         default_model_dir: Path,
+                                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """Families through Hugging Face's modules, their weights quantized as they are read (phi3: fused q/k/v and
+    gate/up projections, partial rotary; gemma3: tied embeddings, sliding layers) or, where the checkpoint names
+    its weights otherwise (mixtral's experts, saved one by one, which transformers fuses at load), loaded in
+    float and quantized after, with the line that says so: each against HF generate() with the reference W8A8
+    layers, past the window."""
+    caplog.set_level(logging.INFO, logger="bulkgen.engine.loading")
+    config_class, fields = SLIDING[family]
+    tied = dict(tie_word_embeddings=True) if family == "gemma3" else {}
+    model_dir = tiny_model(tmp_path / family, default_model_dir, config_class, **fields, **tied)
+    rng = random.Random(5)
+    workload = [([rng.randrange(100, 40000) for _ in range(n)], m) for n, m in ((3, 30), (40, 6))]
+    expected = _hf_w8a8_greedy(model_dir, workload)
+    engine = Engine(model_dir, EngineConfig(quantization="int8", kernels="c", kv_cache_memory=1 << 22,
+                                            max_num_batched_tokens=32))
+    assert engine.runner.forward is None and "int8 weights" in engine.describe()
+    assert engine_greedy(engine, workload) == expected
+    assert ("first (its checkpoint's names are not its modules'" in caplog.text) == (family == "mixtral")
+
+
+def test_int8_load_keeps_the_generation_config(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """The end-of-sequence ids come from generation_config.json, as from_pretrained reads them, however the weights
+    are loaded."""
+    import shutil
+
+    model_dir = Path(shutil.copytree(tiny_model_dir, tmp_path / "m"))
+    generation = json.loads((model_dir / "generation_config.json").read_text())
+    (model_dir / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": [7, 9]}))
+    for quantization in ("int8", "none"):
+        engine = Engine(model_dir, EngineConfig(quantization=quantization, kv_cache_memory=1 << 20))
+        assert engine.eos_token_ids == {7, 9}, quantization
+
+
+LOAD_PEAK = """
+import sys
+from pathlib import Path
+from bulkgen.config import EngineConfig
+from bulkgen.engine.loading import plan
+from bulkgen.engine.runner import ModelRunner
+def status(key): return int(next(line.split()[1] for line in open("/proc/self/status") if line.startswith(key)))
+config = EngineConfig(quantization="int8", kv_cache_memory=1 << 22)
+ModelRunner(sys.argv[2], plan(sys.argv[2], config))  # a tiny model first: libraries, kernels, threads in place
+Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) counts from here
+before = status("VmRSS")
+ModelRunner(sys.argv[1], plan(sys.argv[1], config))
+print((status("VmHWM") - before) * 1024)
+"""
+
+
+def test_int8_loads_in_about_its_quantized_size(tmp_path: Path, default_model_dir: Path,
+                                                tiny_model_dir: Path) -> None:
+    """A model of 52 M float32 linear weights (210 MB; tied embeddings of 13 M) through --quantization int8, in a
+    process of its own after a tiny model's (the libraries, kernels and threads in place): the load's peak
+    memory (Linux's VmHWM, reset just before it) grows by about the int8 weights and the float embeddings, far
+    below the float weights, which a float load then quantized held at once (before int8_load.py: 340 MB)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=8192, num_hidden_layers=8,
+                         num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=True,
+                         eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    linear = sum(m.weight.numel() for name, m in model.named_modules()
+                 if type(m) is torch.nn.Linear and name != "lm_head")
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    del model
+    grown = int(subprocess.run([sys.executable, "-c", LOAD_PEAK, str(tmp_path), str(tiny_model_dir)],
+                               capture_output=True, text=True, check=True).stdout.split()[-1])
+    int8_and_embeddings = linear + len(tokenizer) * 256 * 4
+    assert grown < int8_and_embeddings + 64 * 2**20, (grown, linear)
 
 
 def test_a_bad_quantization_is_one_line() -> None:

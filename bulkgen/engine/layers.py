@@ -115,12 +115,18 @@ def fused(*linears: torch.nn.Linear, pack: bool, kernel: Kernels | None = None) 
 
 
 def fused_weight(*linears: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Linear layers' weights stacked into one, and their biases (zeros for those without; None where none has one)."""
-    weight = torch.cat([lin.weight.detach() for lin in linears])
-    if all(lin.bias is None for lin in linears):
-        return weight, None
-    return weight, torch.cat([lin.bias.detach() if lin.bias is not None else weight.new_zeros(lin.out_features)
-                              for lin in linears])
+    """Linear layers' weights stacked into one, and their biases (fused_bias)."""
+    return torch.cat([lin.weight.detach() for lin in linears]), fused_bias(*linears)
+
+
+def fused_bias(*linears: torch.nn.Module) -> torch.Tensor | None:
+    """Linear layers' biases stacked into one (zeros for those without; None where none has one)."""
+    biases = [lin.bias for lin in linears]
+    like = next((b for b in biases if b is not None), None)
+    if like is None:
+        return None
+    return torch.cat([b.detach() if b is not None else like.new_zeros(lin.out_features)
+                      for b, lin in zip(biases, linears, strict=True)])
 
 
 class PackedLinear(torch.nn.Module):

@@ -23,9 +23,10 @@ import torch
 from bulkgen.engine import attention, blocks
 from bulkgen.engine.blocks import GGUFLinear
 from bulkgen.engine.cpu.kernels import Kernels
-from bulkgen.engine.layers import GatedLinear, Linear, fused, fused_weight, rotate
+from bulkgen.engine.cpu.machine import release_freed_memory
+from bulkgen.engine.layers import GatedLinear, Linear, fused, rotate
 from bulkgen.engine.metadata import AttentionMetadata
-from bulkgen.engine.quant import Int8GatedLinear, Int8Linear, SiluMulAfter
+from bulkgen.engine.quant import Int8GatedLinear, QuantizedLinear, SiluMulAfter, int8_linear
 
 FAMILY = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
 
@@ -45,7 +46,7 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     if attn.o_proj.bias is not None or any(getattr(mlp, n).bias is not None
                                            for n in ("gate_proj", "up_proj", "down_proj")):
         return "biases on o_proj or the MLP"
-    if not all(type(getattr(attn, n)) in (torch.nn.Linear, GGUFLinear)
+    if not all(type(getattr(attn, n)) in (torch.nn.Linear, GGUFLinear, QuantizedLinear)
                for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
         return "non-standard projections"
     return None
@@ -62,10 +63,10 @@ class _Layer:
             self.mlp_in = SiluMulAfter(blocks.fused(mlp.gate_proj, mlp.up_proj), ops)
             self.down = mlp.down_proj.linear
         elif int8:  # --quantization int8 (quant.py)
-            self.qkv: Any = Int8Linear(*fused_weight(attn.q_proj, attn.k_proj, attn.v_proj), int8_kernel)
-            self.o: Any = Int8Linear(attn.o_proj.weight, None, int8_kernel)
+            self.qkv: Any = int8_linear(attn.q_proj, attn.k_proj, attn.v_proj, kernel=int8_kernel)
+            self.o: Any = int8_linear(attn.o_proj, kernel=int8_kernel)
             self.mlp_in: Any = Int8GatedLinear(mlp.gate_proj, mlp.up_proj, ops, int8_kernel)
-            self.down: Any = Int8Linear(mlp.down_proj.weight, None, int8_kernel)
+            self.down: Any = int8_linear(mlp.down_proj, kernel=int8_kernel)
         else:
             self.qkv = fused(attn.q_proj, attn.k_proj, attn.v_proj, pack=pack, kernel=linear_kernel)
             self.o = Linear(attn.o_proj.weight.detach(), None, pack, linear_kernel)
@@ -96,8 +97,10 @@ class LlamaForward:
         self.final_norm = inner.norm.weight.detach()
         self.final_eps = inner.norm.variance_epsilon
         self.ops = ops
-        self.layers = [_Layer(layer, pack, linear_kernel, gated_kernel, ops, int8, int8_kernel)
-                       for layer in inner.layers]
+        self.layers = []
+        for layer in inner.layers:
+            self.layers.append(_Layer(layer, pack, linear_kernel, gated_kernel, ops, int8, int8_kernel))
+            release_freed_memory()  # the weights it replaced, now: the heap would keep them until the last layer
         head = model.lm_head
         self.lm_head = head.linear if isinstance(head, GGUFLinear) else Linear(
             head.weight.detach(), None if head.bias is None else head.bias.detach(), pack, linear_kernel)

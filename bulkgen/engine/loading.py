@@ -1,8 +1,8 @@
 """How a model will run, then the model loaded so: `plan` chooses the device, the weights' dtype and quantization
 (auto: what fits in memory, engine/memory.py) and the backend before anything is read (the engine makes the plan
 and hands it down: the config goes one way); `load` (the runner's first phase) reads the weights, from Hugging
-Face's from_pretrained or a GGUF file's blocks (gguf_load.py), checked for what bulkgen computes
-(probe.check_loaded).
+Face's from_pretrained, a GGUF file's blocks (gguf_load.py) or, for --quantization int8, safetensors quantized as
+they are read (int8_load.py), checked for what bulkgen computes (probe.check_loaded).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from bulkgen.engine.attention import register
 from bulkgen.engine.cpu.kernels import load_cpu_kernels
 from bulkgen.engine.cpu.machine import check_dtype_fits, keep_freed_memory
 from bulkgen.engine.gguf_load import load_gguf, weight_kinds
+from bulkgen.engine.int8_load import load_int8
 from bulkgen.engine.metadata import ATTENTION_NAME
 from bulkgen.engine.probe import check_loaded
 from bulkgen.errors import ConfigError, ModelError
@@ -69,6 +70,8 @@ def load(model: str | Path | torch.nn.Module, plan: Plan) -> tuple[torch.nn.Modu
             and parse_kernels(config.kernels).get("linear") != "torch"  # as the int8 layers choose
         blocks_kernel = load_cpu_kernels() if in_c else None
         loaded = check_loaded(load_gguf(plan.gguf.gguf, Path(model), dtype, blocks_kernel)).to(device)
+    elif config.quantization == "int8" and not isinstance(model, torch.nn.Module):
+        loaded = _int8(Path(model), plan)
     else:
         loaded = _from_pretrained(model, dtype, device)
     return loaded, weight_kinds(loaded)
@@ -97,6 +100,24 @@ def _from_pretrained(model: str | Path | torch.nn.Module, dtype: torch.dtype, de
         except (OSError, ValueError) as exc:
             raise ModelError(f"cannot load model {model}: {exc}") from exc
     return check_loaded(loaded).to(device=device, dtype=dtype).eval()
+
+
+def _int8(model_dir: Path, plan: Plan) -> torch.nn.Module:
+    """--quantization int8 from a directory: its linear layers quantized as they are read (int8_load.py), so the
+    load's peak is about the int8 weights; where the checkpoint is not laid out for that, a float load that the
+    runner quantizes after, if the float weights fit (ConfigError with the numbers before reading any)."""
+    loaded, why_not = load_int8(model_dir, plan.dtype)
+    if loaded is not None:
+        return check_loaded(loaded).to(plan.device)
+    config = plan.config
+    try:
+        memory.dtype_for(config.dtype, model_dir, config.kv_cache_memory, plan.device.type == "cuda")
+    except ConfigError as exc:
+        raise ConfigError(f"--quantization int8 loads {model_dir.name} in {config.dtype} before quantizing it "
+                          f"({why_not}), and {exc}") from exc
+    log.info("bulkgen: --quantization int8 loads %s in %s first (%s), then quantizes it", model_dir.name,
+             config.dtype, why_not)
+    return _from_pretrained(model_dir, plan.dtype, plan.device)
 
 
 def _use_triton(device: torch.device, backend: str) -> bool:

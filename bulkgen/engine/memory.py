@@ -25,6 +25,7 @@ from bulkgen.model import DTYPE_BYTES, ModelShape, estimated_weight_count, read_
 MEMORY_LIMIT_ENV = "BULKGEN_MEMORY_LIMIT"  # e.g. 16GiB: count no more than this as free (a machine shared with others)
 CPU_HEADROOM_BYTES = 1 * 2**30  # activations of a 1k-token step, Python, libraries
 MIN_KV_BYTES = 256 * 2**20  # what a default-sized KV cache must at least get beside the weights
+INT8_BYTES = 1.02  # an int8 weight and its share of the packed panels' padding and scales (cpu/csrc/qgemm.c)
 
 
 def available_memory() -> int:
@@ -59,11 +60,12 @@ def _cgroup_room(root: Path = Path("/sys/fs/cgroup")) -> int | None:
 
 
 def choose_dtype(requested: str, num_weights: int, kv_bytes: int | None, available: int, native: set[str],
-                 on_gpu: bool, name: str, block_bytes: int = 0) -> str:
+                 on_gpu: bool, name: str, block_bytes: float = 0, block_name: str = "GGUF blocks") -> str:
     """The dtype to load a model of num_weights parameters in. requested: "auto" or a dtype; kv_bytes: the KV
     cache's size where given (None: it takes what is left, at least MIN_KV_BYTES); available: free bytes (on a
     GPU its memory is sized elsewhere: auto is bfloat16 there); native: the low-precision dtypes this CPU
-    computes natively; block_bytes: weights kept in a GGUF file's blocks, whatever the dtype. ConfigError with
+    computes natively; block_bytes: weights kept in a GGUF file's blocks (or in int8: block_name says), whatever
+    the dtype. ConfigError with
     the numbers where nothing fits."""
     if on_gpu:
         return "bfloat16" if requested == "auto" else requested
@@ -82,7 +84,7 @@ def choose_dtype(requested: str, num_weights: int, kv_bytes: int | None, availab
         smaller = requested == "float32" and "bfloat16" in native and fits("bfloat16")
         hint = "; --dtype bfloat16 (or auto) fits" if smaller else ""
         raise ConfigError(f"{name} does not fit in {requested}: "
-                          f"{_numbers(num_weights, requested, kv, available, block_bytes)}{hint}")
+                          f"{_numbers(num_weights, requested, kv, available, block_bytes, block_name)}{hint}")
     if fits("float32"):
         return "float32"
     if "bfloat16" in native and fits("bfloat16"):
@@ -90,12 +92,13 @@ def choose_dtype(requested: str, num_weights: int, kv_bytes: int | None, availab
     tried = "float32 or bfloat16" if "bfloat16" in native else "float32 (and this CPU has no native bfloat16)"
     smallest = "bfloat16" if "bfloat16" in native else "float32"
     raise ConfigError(f"{name} fits in no dtype this machine runs, {tried}: "
-                      f"{_numbers(num_weights, smallest, kv, available, block_bytes)}; "
+                      f"{_numbers(num_weights, smallest, kv, available, block_bytes, block_name)}; "
                       f"free memory, lower --kv-cache-memory, or use a smaller model")
 
 
-def _numbers(num_weights: int, dtype: str, kv: int, available: int, block_bytes: int = 0) -> str:
-    blocks = f"its GGUF blocks take {format_size(block_bytes)}, " if block_bytes else ""
+def _numbers(num_weights: int, dtype: str, kv: int, available: int, block_bytes: float = 0,
+             block_name: str = "GGUF blocks") -> str:
+    blocks = f"its {block_name} take {format_size(int(block_bytes))}, " if block_bytes else ""
     return (f"{blocks}its {num_weights / 1e9:.2f} B {'other ' if blocks else ''}weights take "
             f"{format_size(num_weights * DTYPE_BYTES[dtype])} in {dtype}, "
             f"the KV cache {format_size(kv)} and activations about {format_size(CPU_HEADROOM_BYTES)}, and "
@@ -114,12 +117,18 @@ def native_dtypes() -> set[str]:
     return {d for d in ("bfloat16", "float16") if native_dtype_problem(d) is None}
 
 
-def dtype_for(requested: str, model_dir: Path, kv_bytes: int | None, on_gpu: bool) -> str:
+def dtype_for(requested: str, model_dir: Path, kv_bytes: int | None, on_gpu: bool, int8: bool = False) -> str:
     """choose_dtype for a model directory, its weights counted from their safetensors headers (else estimated
-    from its config)."""
+    from its config). int8 (--quantization int8, which quantizes safetensors weights as it reads them:
+    engine/int8_load.py): the linear layers' weights counted at a byte each (and their scales), the rest in the
+    dtype."""
     num_weights = weight_count(model_dir)
     if num_weights is None:
         num_weights = estimated_weight_count(ModelShape.of(read_config(model_dir)))
+    elif int8:
+        linear = weight_count(model_dir, vocab=ModelShape.of(read_config(model_dir)).vocab)
+        return choose_dtype(requested, num_weights - linear, kv_bytes, available_memory(), native_dtypes(), on_gpu,
+                            Path(model_dir).name, block_bytes=linear * INT8_BYTES, block_name="int8 weights")
     return choose_dtype(requested, num_weights, kv_bytes, available_memory(), native_dtypes(), on_gpu,
                         Path(model_dir).name)
 
@@ -150,4 +159,5 @@ def run_plan(model: Path, config: EngineConfig, on_gpu: bool) -> tuple[str, str,
                 pass
     if quantization == "gguf":
         return quantization, gguf_dtype(config.dtype, gguf, config.kv_cache_memory, on_gpu, gguf.gguf.name), gguf
-    return quantization, dtype_for(config.dtype, model, config.kv_cache_memory, on_gpu), gguf
+    dtype = dtype_for(config.dtype, model, config.kv_cache_memory, on_gpu, int8=quantization == "int8")
+    return quantization, dtype, gguf

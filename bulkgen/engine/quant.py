@@ -20,11 +20,13 @@ from typing import Any
 import torch
 
 from bulkgen.engine.cpu.kernels import Kernels
+from bulkgen.engine.cpu.machine import release_freed_memory
 from bulkgen.engine.cpu.ops import DTYPE_CODES
-from bulkgen.engine.layers import fused_weight
+from bulkgen.engine.layers import fused_bias
 
 QMAX = 127
 BLOCK = 32  # activations are quantized per block of this many values (qgemm.c's QB)
+VALUES_AT_ONCE = 1 << 22  # quantize_weight's values a pass: its float32 temporaries take 16 MB each
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,6 +36,19 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = x.abs().amax(-1, keepdim=True) / QMAX
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     return torch.round(x / scale).clamp_(-QMAX, QMAX).to(torch.int8), scale
+
+
+def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A linear layer's weight [N, K] quantized per output channel (quantize_rows, a few rows a pass, so that its
+    float temporaries stay small: the same values): (q int8 [N, K], scale float32 [N])."""
+    n, k = w.shape
+    q = torch.empty(n, k, dtype=torch.int8, device=w.device)
+    scale = torch.empty(n, dtype=torch.float32, device=w.device)
+    rows = max(1, VALUES_AT_ONCE // max(k, 1))
+    for row in range(0, n, rows):
+        part_q, part_scale = quantize_rows(w[row:row + rows].detach())
+        q[row:row + rows], scale[row:row + rows] = part_q, part_scale[:, 0]
+    return q, scale
 
 
 def quantized_activations(rows: torch.Tensor) -> torch.Tensor:
@@ -46,12 +61,14 @@ def quantized_activations(rows: torch.Tensor) -> torch.Tensor:
 
 class Int8Linear:
     """y = x W^T + b with W in int8 per output channel and x quantized per block of 32 at each call (module
-    doc): through our C kernel where given (`kernel`), else in torch."""
+    doc): through our C kernel where given (`kernel`), else in torch. weight: the float weight, quantized here;
+    or, with its scale, quantized already (quantize_weight's q and scale)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: Kernels | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: Kernels | None = None,
+                 scale: torch.Tensor | None = None) -> None:
         self.out_features, self.in_features = weight.shape
-        q, scale = quantize_rows(weight.detach())
-        self.scale = scale.reshape(-1).contiguous()
+        q, scale = quantize_weight(weight) if scale is None else (weight, scale)
+        self.scale = scale.float().reshape(-1).contiguous()
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.kernel = kernel if kernel is not None and weight.device.type == "cpu" else None
         if self.kernel is not None:
@@ -98,8 +115,8 @@ class Int8GatedLinear(SiluMulAfter):
     a multiple of its panels' 32), one pass: each panel's gate and up sums meet in cache and leave as the
     activation, the same bits as the product then silu_mul; otherwise SiluMulAfter."""
 
-    def __init__(self, gate: torch.nn.Linear, up: torch.nn.Linear, ops: Any, kernel: Kernels | None = None) -> None:
-        super().__init__(Int8Linear(fused_weight(gate, up)[0], None, kernel), ops)
+    def __init__(self, gate: torch.nn.Module, up: torch.nn.Module, ops: Any, kernel: Kernels | None = None) -> None:
+        super().__init__(int8_linear(gate, up, kernel=kernel), ops)
         self.out_features = gate.out_features
         self.one_pass = self.linear.kernel is not None and bool(self.linear.kernel.qlinear_silu_mul_takes(
             N=self.out_features))
@@ -117,13 +134,37 @@ class Int8GatedLinear(SiluMulAfter):
         return y
 
 
+class QuantizedLinear(torch.nn.Module):
+    """An nn.Linear as the int8 load leaves it (int8_load.py): its weight quantized (quantize_weight) but not
+    yet packed for the kernels, its bias as loaded. The runner makes it an Int8Linear (int8_linear: the lean
+    forward fuses q, k and v, gate and up; quantize_linears for Hugging Face's modules) before any step."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        self.register_buffer("q", q, persistent=False)  # buffers: they move with the model, counted in its bytes
+        self.register_buffer("scale", scale, persistent=False)
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # the same product in torch (no step runs it)
+        return int8_linear(self)(x)
+
+
+def int8_linear(*linears: torch.nn.Linear | QuantizedLinear, kernel: Kernels | None = None) -> Int8Linear:
+    """One Int8Linear over linear layers' outputs (q, k, v; gate, up; or one layer), float ones quantized here:
+    per output channel, so stacking the quantized rows equals quantizing the stacked weight."""
+    parts = [(m.q, m.scale) if isinstance(m, QuantizedLinear) else quantize_weight(m.weight) for m in linears]
+    q, scale = (parts[0] if len(parts) == 1 else (torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])))
+    return Int8Linear(q, fused_bias(*linears), kernel, scale=scale)
+
+
 class Int8Module(torch.nn.Module):
     """An nn.Linear whose product runs as Int8Linear, for models run through Hugging Face's modules."""
 
-    def __init__(self, linear: torch.nn.Linear, kernel: Kernels | None) -> None:
+    def __init__(self, linear: torch.nn.Linear | QuantizedLinear, kernel: Kernels | None) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.linear = Int8Linear(linear.weight, linear.bias, kernel)
+        self.linear = int8_linear(linear, kernel=kernel)
         self.register_buffer("weight_q", self.linear.weight, persistent=False)  # counted with the model's bytes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -131,11 +172,15 @@ class Int8Module(torch.nn.Module):
 
 
 def quantize_linears(model: torch.nn.Module, kernel: Kernels | None = None) -> int:
-    """Swap every nn.Linear of a model run through Hugging Face's modules for an Int8Module, the output
-    head excepted. Returns how many were swapped."""
+    """Swap every nn.Linear of a model run through Hugging Face's modules (and every QuantizedLinear of the int8
+    load) for an Int8Module, the output head excepted. Returns how many were swapped."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-             if type(child) is torch.nn.Linear and child is not head]
-    for parent, name, child in swaps:
+             if type(child) in (torch.nn.Linear, QuantizedLinear) and child is not head]
+    count = len(swaps)
+    while swaps:
+        parent, name, child = swaps.pop()
         setattr(parent, name, Int8Module(child, kernel))
-    return len(swaps)
+        del child
+        release_freed_memory()  # the weight it replaced, now: the heap would keep it until the last swap
+    return count
