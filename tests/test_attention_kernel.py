@@ -32,6 +32,60 @@ def test_kernel_matches_torch(build: str, dtype: torch.dtype, head_dim: int, blo
 
 
 
+@builds
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim,block_size,group", [(64, 16, 3), (128, 32, 4), (64, 16, 1)])
+def test_decode_of_sequences_sharing_blocks_is_the_same_bits_as_one_at_a_time(build: str, dtype: torch.dtype,
+                                                                              head_dim: int, block_size: int,
+                                                                              group: int) -> None:
+    """Decoding sequences whose tables start with the same blocks (a shared prefix: 11 of one document in work
+    items of up to 8, 3 of another, one alone, contexts ending inside, at and past the shared blocks) go
+    through the shared kernel, which reads each shared block once for a work item: its outputs are bit for
+    bit those of the kernel run one sequence at a time (so a sequence's attention never depends on who shares
+    its step), and match the definition; sinks and softcaps as a layer has them."""
+    from bulkgen.engine.cpu.attention import shared_items
+
+    torch.manual_seed(head_dim + block_size + group)
+    kv_heads, num_blocks = 2, 120
+    k = torch.randn(num_blocks, *k_block_shape(kv_heads, head_dim, block_size, dtype)).to(dtype)
+    v = torch.randn(num_blocks, kv_heads, block_size, head_dim).to(dtype)
+    free = torch.randperm(num_blocks).tolist()
+    doc_a, doc_b = [free.pop() for _ in range(5)], [free.pop() for _ in range(2)]
+    rows, lens = [], []
+    for i in range(11):  # contexts past, at and inside the shared 5 blocks (those inside share fewer)
+        n = 5 * block_size + [1, 0, 7, block_size, 2 * block_size + 3][i % 5] - (i == 10) * 3 * block_size
+        rows.append(doc_a + [free.pop() for _ in range(3)])
+        lens.append(n)
+    for n in (2 * block_size + 5, 2 * block_size + 1, 3 * block_size):
+        rows.append(doc_b + [free.pop() for _ in range(2)])
+        lens.append(n)
+    rows.append([free.pop() for _ in range(4)])
+    lens.append(3 * block_size + 2)
+    perm = torch.randperm(len(rows)).tolist()  # the step's order mixes the groups
+    tables = torch.tensor([rows[i] + [0] * (8 - len(rows[i])) for i in perm], dtype=torch.int32)  # padded as a step
+    lens_t = torch.tensor([lens[i] for i in perm], dtype=torch.int32)
+    q = torch.randn(len(rows), kv_heads * group, head_dim).to(dtype)
+    scale = head_dim**-0.5
+    shared = shared_items(tables.numpy(), lens_t.tolist(), block_size)
+    order, starts, shared_tokens = (t.tolist() for t in shared)
+    assert sorted(order) == list(range(len(rows))) and max(shared_tokens) == 5 * block_size
+    sizes = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+    assert max(sizes) <= 8 and sum(size for size, n in zip(sizes, shared_tokens, strict=True) if n) >= 12
+    for layer in (FULL, LayerAttention(softcap=3.0, sinks=torch.linspace(-1.0, 2.0, kv_heads * group))):
+        meta = decode_meta(k, v, tables, lens_t, int(lens_t.max()), decode_kernel=kernel(build), num_threads=2)
+        meta.decode_shared = shared
+        got = decode_c(meta, q, k, v, scale, layer)
+        meta.decode_shared = None
+        alone = decode_c(meta, q, k, v, scale, layer)
+        assert torch.equal(got, alone)
+        for i in range(len(rows)):
+            positions = torch.arange(int(lens_t[i]))
+            blocks, offsets = tables[i].long()[positions // block_size], positions % block_size
+            want = explicit_attention(q[i:i + 1], gather_k(k, blocks, offsets), v[blocks, :, offsets],
+                                      positions[-1:], scale, layer).float()
+            assert torch.allclose(got[i:i + 1].float(), want, atol=3e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
 def decode_meta(k, v, tables, lens, max_len: int, **kernels) -> CpuMetadata:
     """A decode-only step's metadata: every row a decoding sequence, nothing written."""
     return CpuMetadata(k_caches=[k], v_caches=[v], slots=None, slot_blocks=None, slot_offsets=None,

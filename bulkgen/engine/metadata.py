@@ -123,6 +123,9 @@ class CpuMetadata(AttentionMetadata):
     decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] (int32 for the kernel)
     decode_context_lens: torch.Tensor  # [num_decodes] int32, tokens to attend to (the new one included)
     decode_max_context_len: int
+    # the decoding sequences in work items that share their first blocks (cpu/attention.shared_items: order,
+    # starts, shared tokens), for the C decode kernel; None where no two share a block
+    decode_shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
     # The C kernels for decode attention, prefill attention and the KV write (None: torch); each family's
     # path is chosen per machine (paths.py)

@@ -5,6 +5,7 @@ paths.py chose C for the family; the torch path there is their reference.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from bulkgen.engine.cpu.kernels import Kernels
@@ -16,12 +17,77 @@ def kernel_layout(k_cache: torch.Tensor) -> bool:
     return k_cache.shape[-1] * k_cache.element_size() == 4
 
 
+SHARED_ITEM = 8  # sequences a work item of the shared decode at most (csrc/paged_attention.c: SHARED_MAX 16)
+
+
+def shared_items(tables: np.ndarray, context_lens: list[int], block_size: int,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The decoding sequences (rows of tables [num_decodes, max_blocks], their context lengths) in work items
+    for paged_decode_shared: the tables sorted, so that those sharing the most leading blocks (a prefix from the
+    prefix cache) come together, then cut into items of up to SHARED_ITEM sequences that share a run of whole
+    blocks within every one's context, an item closed where one more sequence would share less (a document's
+    questions apart from the next document's, though all share the chat template's first block); a sequence
+    that shares nothing is an item alone. (order, starts, shared tokens) as int32 tensors, or None where no two
+    sequences share a block."""
+    n = len(context_lens)
+    if n < 2:
+        return None
+    order = np.lexsort(tables.T[::-1])  # by the first block, then the second, ...
+    rows = tables[order]
+    full = np.asarray(context_lens)[order] // block_size  # whole blocks within each one's context
+    common = np.cumprod(rows[1:] == rows[:-1], axis=1).sum(axis=1)  # with the sequence before it
+    common = np.minimum(common, np.minimum(full[1:], full[:-1]))
+    if not common.any():
+        return None
+    starts, shared = [0], []
+    blocks = 0  # the open item's shared blocks (0 while it holds one sequence)
+    for i in range(1, n):
+        size = i - starts[-1]
+        run = min(blocks, common[i - 1]) if size > 1 else common[i - 1]
+        if size < SHARED_ITEM and run > 0 and (size == 1 or run >= blocks):
+            blocks = run
+            continue
+        starts.append(i)
+        shared.append(blocks * block_size)
+        blocks = 0
+    starts.append(n)
+    shared.append(blocks * block_size)
+    return tuple(torch.tensor(values, dtype=torch.int32) for values in (order, starts, shared))
+
+
 def decode_c(meta: CpuMetadata, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              scale: float, layer: LayerAttention) -> torch.Tensor:
-    """Decode attention of the step's decoding sequences (q [num_decodes, num_heads, head_dim]) in C."""
+    """Decode attention of the step's decoding sequences (q [num_decodes, num_heads, head_dim]) in C: where some
+    share their first blocks (full attention), in work items that read each shared block once for all of
+    them (the same bits as one sequence at a time)."""
     tables = meta.decode_block_tables
+    if meta.decode_shared is not None and not layer.window:
+        out = _shared_c(meta, q, k_cache, v_cache, scale, layer)
+        if out is not None:
+            return out
     return _paged_c(meta.decode_kernel, meta, q, k_cache, v_cache, tables, tables.stride(0),
                     meta.decode_context_lens, meta.decode_max_context_len, scale, layer)
+
+
+def _shared_c(meta: CpuMetadata, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+              layer: LayerAttention) -> torch.Tensor | None:
+    """paged_decode_shared over meta.decode_shared's work items; None where the kernel does not apply."""
+    q32 = q.to(torch.float32).contiguous()
+    out = torch.empty_like(q32)
+    num_rows, num_heads, head_dim = q32.shape
+    _, num_kv_heads, block_size, _ = v_cache.shape
+    order, starts, shared = meta.decode_shared
+    tables = meta.decode_block_tables
+    status = meta.decode_kernel.typed("paged_decode_shared", k_cache.dtype)(
+        q=q32.data_ptr(), k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr(), block_tables=tables.data_ptr(),
+        block_table_stride=tables.stride(0), context_lens=meta.decode_context_lens.data_ptr(), out=out.data_ptr(),
+        num_seqs=num_rows, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        block_size=block_size, max_context_len=meta.decode_max_context_len, scale=scale, window=layer.window,
+        softcap=layer.softcap, sinks=layer.c_sinks(), num_threads=meta.num_threads, order=order.data_ptr(),
+        starts=starts.data_ptr(), shared=shared.data_ptr(), num_items=len(shared))
+    if status == 1:
+        raise MemoryError("paged attention kernel could not allocate its scratch buffer")
+    return out.to(q.dtype) if status == 0 else None
 
 
 def prefill_c(meta: CpuMetadata, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

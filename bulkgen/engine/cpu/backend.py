@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from bulkgen.engine.cpu.attention import kernel_layout
+from bulkgen.engine.cpu.attention import kernel_layout, shared_items
 from bulkgen.engine.cpu.kernels import Kernels
 from bulkgen.engine.metadata import ChunkInput, CpuMetadata, PrefillChunk, StepInputs
 from bulkgen.errors import ConfigError
@@ -62,7 +62,9 @@ class CpuBackend:
             slot_offsets=slot_tensor % self.block_size, num_decode_tokens=len(decode_tables),
             decode_block_tables=torch.from_numpy(tables).to(self.device),
             decode_context_lens=torch.tensor(context_lens, dtype=torch.int32, device=self.device),
-            decode_max_context_len=max(context_lens, default=0), prefills=[self._chunk(c) for c in chunks],
+            decode_max_context_len=max(context_lens, default=0),
+            decode_shared=shared_items(tables, context_lens, self.block_size) if self.decode_kernel else None,
+            prefills=[self._chunk(c) for c in chunks],
             decode_kernel=self.decode_kernel, prefill_kernel=self.prefill_kernel, write_kernel=self.write_kernel,
             num_threads=torch.get_num_threads())
 

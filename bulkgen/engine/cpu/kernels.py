@@ -48,6 +48,7 @@ def _params(text: str) -> list[tuple[str, type]]:
 
 _DECODE = "q:p k_cache:p v_cache:p block_tables:p block_table_stride:i64 context_lens:p out:p num_seqs:i num_heads:i " \
           "num_kv_heads:i head_dim:i block_size:i max_context_len:i scale:f window:i softcap:f sinks:p num_threads:i"
+_DECODE_SHARED = _DECODE + " order:p starts:p shared:p num_items:i"
 _PREFILL = "q:p k_cache:p v_cache:p table:p start:i n:i out:p num_heads:i num_kv_heads:i head_dim:i block_size:i " \
            "scale:f window:i softcap:f sinks:p num_threads:i"
 _WRITE_KV = "key:p value:p k_token_stride:i64 k_head_stride:i64 v_token_stride:i64 v_head_stride:i64 slots:p " \
@@ -59,6 +60,7 @@ _PACK = "w:p N:i64 K:i64 out:p num_threads:i"
 # place their signatures are kept: call sites name each argument (Kernels).
 SIGNATURES: dict[str, tuple[type | None, str]] = {
     "paged_decode_f32": (_I, _DECODE), "paged_decode_bf16": (_I, _DECODE),
+    "paged_decode_shared_f32": (_I, _DECODE_SHARED), "paged_decode_shared_bf16": (_I, _DECODE_SHARED),
     "paged_prefill_f32": (_I, _PREFILL), "paged_prefill_bf16": (_I, _PREFILL),
     "write_kv_4": (None, _WRITE_KV), "write_kv_2": (None, _WRITE_KV),
     "rms_norm": (None, "x:p residual:p weight:p out:p rows:i64 cols:i64 eps:f dtype:i num_threads:i"),

@@ -20,7 +20,10 @@
  * Work item: one sequence, all of its heads. Each KV head serves its whole group of query heads, so
  * each key and value row is read from memory once per step; and a block's K part (all KV heads) is
  * one contiguous run, read in order (about a quarter faster than one work item per KV head, whose
- * runs are a third as long). Two passes: scores over K, then the weighted sum over V.
+ * runs are a third as long). Two passes: scores over K, then the weighted sum over V. Decoding sequences
+ * that share their first blocks (a prefix through the prefix cache: a document's questions, a prompt's
+ * samples) go in work items of several (paged_decode_shared): each shared block is read from memory once for
+ * the item, with the same arithmetic per query, so the same bits.
  * K is transposed within its block so that the scores of VN tokens are one vector (q[d] broadcast
  * over row d of the block): no horizontal sum per token, which halved the work of the first pass.
  * bfloat16 K keeps dims in pairs so that AVX512-BF16's vdpbf16ps takes 16 tokens × 2 dims per
@@ -402,6 +405,88 @@ static void NAME(const float *qs, const uint32_t *qpairs, const T *k_cache, cons
     }                                                                                                   \
 }
 
+/* Up to SHARED_MAX decoding sequences whose first `shared` tokens are the same blocks (a prefix they share
+ * through the prefix cache), all heads: each shared K and V block is read from memory once for all of them
+ * (then from L1 for the others), where one sequence at a time reads it once each; the rest of each
+ * sequence's blocks as DEFINE_SEQ_VEC reads them. Every query head's scores, softmax and weighted sum are the
+ * same operations in the same order as DEFINE_SEQ_VEC's (a score per token from the same tile; V summed
+ * block by block, token by token, in order), only interleaved across the sequences: the same bits, so a
+ * sequence's attention does not depend on which others share its step. Full attention (no window) only.
+ * scores: [m][num_heads][ctx_pad], ctx_pad covering every one's context. */
+#define SHARED_MAX 16
+#define DEFINE_SEQS_VEC(NAME, T, K_TILE, V_TILE_M, PV, HD)                                             \
+static void NAME(int m, const float *const *qss, const uint32_t *const *qps, const T *k_cache,         \
+                 const T *v_cache, const int32_t *const *tables, const int *ctxs, float *const *oss,    \
+                 float *scores, int64_t ctx_pad, int shared, int group, int num_kv_heads,               \
+                 int64_t head_stride, int64_t block_stride, int block_size, float scale, float softcap,  \
+                 const float *sinks) {                                                                  \
+    enum { HDIM = (HD), TILE = TILE_FOR(HD), VCHUNK = VCHUNK_FOR(HD) };                                 \
+    const int num_heads = group * num_kv_heads;                                                         \
+    const int64_t per_seq = (int64_t)num_heads * ctx_pad;                                               \
+    for (int i = 0; i < m; i++)                                                                         \
+        for (int t0 = 0; t0 < ctxs[i]; t0 += block_size) {                                             \
+            if (t0 < shared && i > 0) continue; /* the shared blocks: all m sequences at the first's turn */ \
+            const int32_t *table = tables[i];                                                           \
+            const T *kb0 = k_cache + (int64_t)table[t0 / block_size] * block_stride;                    \
+            const char *next = ahead(t0 / block_size, ctxs[i], block_size, table, k_cache, NULL,        \
+                                     sizeof(T) * block_stride);                                         \
+            const int first = t0 < shared ? 0 : i, last = t0 < shared ? m : i + 1;                      \
+            for (int kh = 0; kh < num_kv_heads; kh++) {                                                 \
+                const T *kt = kb0 + (int64_t)kh * head_stride;                                          \
+                prefetch_head(next, kh, sizeof(T) * head_stride);                                       \
+                for (int j = first; j < last; j++)                                                      \
+                    for (int g0 = 0; g0 < group; g0 += TILE) {                                          \
+                        const int h = kh * group + g0;                                                  \
+                        const float *qt = qss[j] + (int64_t)h * HDIM;                                   \
+                        const uint32_t *qp = qps[j] + (int64_t)h * HDIM / 2;                            \
+                        (void)qt; (void)qp;                                                             \
+                        float *st = scores + j * per_seq + (int64_t)h * ctx_pad + t0;                   \
+                        for (int v0 = 0; v0 < block_size; v0 += KT) {                                   \
+                            BY_TILE(K_TILE);                                                            \
+                        }                                                                               \
+                    }                                                                                   \
+            }                                                                                           \
+        }                                                                                               \
+    float inv_sums[SHARED_MAX * MAX_HEADS];                                                             \
+    for (int i = 0; i < m; i++) {                                                                       \
+        for (int h = 0; h < num_heads; h++)                                                             \
+            inv_sums[i * num_heads + h] = probabilities(scores + i * per_seq + (int64_t)h * ctx_pad, 0,  \
+                                                        ctxs[i], ctxs[i], softcap,                      \
+                                                        sinks != NULL ? sinks[h] : -INFINITY);          \
+        if (PV) pair_rows(scores + i * per_seq, num_heads, ctxs[i], (int)ctx_pad);                      \
+        memset(oss[i], 0, sizeof(float) * (size_t)num_heads * HDIM);                                   \
+    }                                                                                                   \
+    for (int i = 0; i < m; i++)                                                                         \
+        for (int t0 = 0; t0 < ctxs[i]; t0 += block_size) {                                             \
+            if (t0 < shared && i > 0) continue;                                                         \
+            const int32_t *table = tables[i];                                                           \
+            const T *vb0 = v_cache + (int64_t)table[t0 / block_size] * block_stride;                    \
+            const int n = ctxs[i] - t0 < block_size ? ctxs[i] - t0 : block_size;                        \
+            const char *next = ahead(t0 / block_size, ctxs[i], block_size, table, v_cache, NULL,        \
+                                     sizeof(T) * block_stride);                                         \
+            const int first = t0 < shared ? 0 : i, last = t0 < shared ? m : i + 1;                      \
+            for (int kh = 0; kh < num_kv_heads; kh++) {                                                 \
+                const T *vb = vb0 + (int64_t)kh * head_stride;                                          \
+                prefetch_head(next, kh, sizeof(T) * head_stride);                                       \
+                for (int j = first; j < last; j++)                                                      \
+                    for (int g0 = 0; g0 < group; g0 += TILE) {                                          \
+                        const int h = kh * group + g0;                                                  \
+                        float *row = scores + j * per_seq + (int64_t)h * ctx_pad;                       \
+                        const float *pt = row + t0;                                                     \
+                        const uint32_t *pp = (const uint32_t *)row + t0 / 2;                            \
+                        float *ot = oss[j] + (int64_t)h * HDIM;                                         \
+                        (void)pt; (void)pp;                                                             \
+                        BY_TILE(V_TILE_M);                                                              \
+                    }                                                                                   \
+            }                                                                                           \
+        }                                                                                               \
+    for (int i = 0; i < m; i++)                                                                         \
+        for (int h = 0; h < num_heads; h++) {                                                           \
+            if (PV) unpermute_pairs(oss[i] + (int64_t)h * HDIM, HDIM);                                  \
+            for (int d = 0; d < HDIM; d++) oss[i][(int64_t)h * HDIM + d] *= inv_sums[i * num_heads + h]; \
+        }                                                                                               \
+}
+
 /* Any head_dim or block size: plain loops, one sequence, all heads. K rows in groups of P dims
  * (P = 1: float32, [HD][block_size]; P = 2: bfloat16, [HD/2][block_size][2]). */
 #define DEFINE_SEQ_SCALAR(NAME, T, SLOAD, P)                                                            \
@@ -489,6 +574,67 @@ int NAME(const float *q, const T *k_cache, const T *v_cache, const int32_t *bloc
     return failed;                                                                                      \
 }
 
+/* Decode as paged_decode, the sequences taken in work items of up to SHARED_MAX that share blocks: item c
+ * holds the sequences order[starts[c]] .. order[starts[c + 1] - 1], whose first shared[c] tokens (whole
+ * blocks, within every one's context) are the same blocks of the cache (DEFINE_SEQS_VEC; shared[c] = 0: none).
+ * The same bits as paged_decode. Returns 2 where it does not apply (a window; head dims other than 64 and 128;
+ * block sizes not a multiple of 16): the caller runs paged_decode. */
+#define DEFINE_PAGED_DECODE_SHARED(NAME, T, SEQS64, SEQS128)                                            \
+int NAME(const float *q, const T *k_cache, const T *v_cache, const int32_t *block_tables,              \
+         int64_t block_table_stride, const int32_t *context_lens, float *out, int num_seqs,             \
+         int num_heads, int num_kv_heads, int head_dim, int block_size, int max_context_len,            \
+         float scale, int window, float softcap, const float *sinks, int num_threads,                   \
+         const int32_t *order, const int32_t *starts, const int32_t *shared, int num_items) {           \
+    const int group = num_heads / num_kv_heads;                                                         \
+    (void)num_seqs;                                                                                     \
+    if (group > MAX_GROUP || num_heads > MAX_HEADS || group * num_kv_heads != num_heads || window > 0   \
+        || block_size % 16 != 0 || (head_dim != 64 && head_dim != 128)) return 2;                       \
+    for (int c = 0; c < num_items; c++)                                                                 \
+        if (starts[c + 1] - starts[c] > SHARED_MAX || shared[c] % block_size != 0) return 2;            \
+    const int64_t head_stride = (int64_t)block_size * head_dim;                                         \
+    const int64_t block_stride = (int64_t)num_kv_heads * head_stride;                                   \
+    const int64_t ctx_pad = (int64_t)(max_context_len + block_size - 1) / block_size * block_size;     \
+    const int pairs = sizeof(T) == 2;                                                                   \
+    int failed = 0;                                                                                     \
+    _Pragma("omp parallel num_threads(num_threads)")                                                    \
+    {                                                                                                   \
+        float *scores = malloc(sizeof(float) * ((size_t)SHARED_MAX * num_heads * (size_t)ctx_pad        \
+                                                + (size_t)SHARED_MAX * num_heads * head_dim / 2 + 1));  \
+        uint32_t *qpairs = (uint32_t *)(scores + (size_t)SHARED_MAX * num_heads * (size_t)ctx_pad);     \
+        if (scores == NULL) failed = 1;                                                                 \
+        _Pragma("omp for schedule(dynamic, 1)")                                                         \
+        for (int c = 0; c < num_items; c++) {                                                           \
+            if (scores == NULL) continue;                                                               \
+            const float *qss[SHARED_MAX];                                                               \
+            const uint32_t *qps[SHARED_MAX];                                                            \
+            const int32_t *tables[SHARED_MAX];                                                          \
+            int ctxs[SHARED_MAX];                                                                       \
+            float *oss[SHARED_MAX];                                                                     \
+            const int m = starts[c + 1] - starts[c];                                                    \
+            for (int i = 0; i < m; i++) {                                                               \
+                const int s = order[starts[c] + i];                                                     \
+                qss[i] = q + (int64_t)s * num_heads * head_dim;                                         \
+                qps[i] = qpairs + (int64_t)i * num_heads * head_dim / 2;                                \
+                tables[i] = block_tables + (int64_t)s * block_table_stride;                             \
+                ctxs[i] = context_lens[s];                                                              \
+                oss[i] = out + (int64_t)s * num_heads * head_dim;                                       \
+                if (pairs)                                                                              \
+                    for (int k = 0; k < num_heads * head_dim / 2; k++)                                  \
+                        qpairs[(int64_t)i * num_heads * head_dim / 2 + k] =                             \
+                            bf16_bits(qss[i][2 * k]) | bf16_bits(qss[i][2 * k + 1]) << 16;              \
+            }                                                                                           \
+            if (head_dim == 64)                                                                         \
+                SEQS64(m, qss, qps, k_cache, v_cache, tables, ctxs, oss, scores, ctx_pad, shared[c],    \
+                       group, num_kv_heads, head_stride, block_stride, block_size, scale, softcap, sinks); \
+            else                                                                                        \
+                SEQS128(m, qss, qps, k_cache, v_cache, tables, ctxs, oss, scores, ctx_pad, shared[c],   \
+                        group, num_kv_heads, head_stride, block_stride, block_size, scale, softcap, sinks); \
+        }                                                                                               \
+        free(scores);                                                                                   \
+    }                                                                                                   \
+    return failed;                                                                                      \
+}
+
 /* Prefill: query rows start .. start + n - 1 of one sequence (q, out: [n, num_heads, head_dim]), each
  * attending causally to the sequence's blocks in `table` (the chunk's own K/V already written). Rows
  * go in tiles of PREFILL_ROWS, handled as one decode whose KV groups hold PREFILL_ROWS × group query
@@ -555,8 +701,15 @@ DEFINE_SEQ_VEC(seq64_bf16, uint16_t, K_TILE_BF16, V_TILE_PAIRS, PAIRED_V, 64)
 DEFINE_SEQ_VEC(seq128_bf16, uint16_t, K_TILE_BF16, V_TILE_PAIRS, PAIRED_V, 128)
 DEFINE_SEQ_SCALAR(seq_any_bf16, uint16_t, sload_bf16, 2)
 
+DEFINE_SEQS_VEC(seqs64_f32, float, K_TILE_F32, V_TILE_F32, 0, 64)
+DEFINE_SEQS_VEC(seqs128_f32, float, K_TILE_F32, V_TILE_F32, 0, 128)
+DEFINE_SEQS_VEC(seqs64_bf16, uint16_t, K_TILE_BF16, V_TILE_PAIRS, PAIRED_V, 64)
+DEFINE_SEQS_VEC(seqs128_bf16, uint16_t, K_TILE_BF16, V_TILE_PAIRS, PAIRED_V, 128)
+
 DEFINE_PAGED_DECODE(paged_decode_f32, float, seq64_f32, seq128_f32, seq_any_f32)
 DEFINE_PAGED_DECODE(paged_decode_bf16, uint16_t, seq64_bf16, seq128_bf16, seq_any_bf16)
+DEFINE_PAGED_DECODE_SHARED(paged_decode_shared_f32, float, seqs64_f32, seqs128_f32)
+DEFINE_PAGED_DECODE_SHARED(paged_decode_shared_bf16, uint16_t, seqs64_bf16, seqs128_bf16)
 DEFINE_PAGED_PREFILL(paged_prefill_f32, float, seq64_f32, seq128_f32)
 DEFINE_PAGED_PREFILL(paged_prefill_bf16, uint16_t, seq64_bf16, seq128_bf16)
 
