@@ -61,33 +61,9 @@ def decode_c(meta: CpuMetadata, q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     share their first blocks (full attention), in work items that read each shared block once for all of
     them (the same bits as one sequence at a time)."""
     tables = meta.decode_block_tables
-    if meta.decode_shared is not None and not layer.window:
-        out = _shared_c(meta, q, k_cache, v_cache, scale, layer)
-        if out is not None:
-            return out
     return _paged_c(meta.decode_kernel, meta, q, k_cache, v_cache, tables, tables.stride(0),
-                    meta.decode_context_lens, meta.decode_max_context_len, scale, layer)
-
-
-def _shared_c(meta: CpuMetadata, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
-              layer: LayerAttention) -> torch.Tensor | None:
-    """paged_decode_shared over meta.decode_shared's work items; None where the kernel does not apply."""
-    q32 = q.to(torch.float32).contiguous()
-    out = torch.empty_like(q32)
-    num_rows, num_heads, head_dim = q32.shape
-    _, num_kv_heads, block_size, _ = v_cache.shape
-    order, starts, shared = meta.decode_shared
-    tables = meta.decode_block_tables
-    status = meta.decode_kernel.typed("paged_decode_shared", k_cache.dtype)(
-        q=q32.data_ptr(), k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr(), block_tables=tables.data_ptr(),
-        block_table_stride=tables.stride(0), context_lens=meta.decode_context_lens.data_ptr(), out=out.data_ptr(),
-        num_seqs=num_rows, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        block_size=block_size, max_context_len=meta.decode_max_context_len, scale=scale, window=layer.window,
-        softcap=layer.softcap, sinks=layer.c_sinks(), num_threads=meta.num_threads, order=order.data_ptr(),
-        starts=starts.data_ptr(), shared=shared.data_ptr(), num_items=len(shared))
-    if status == 1:
-        raise MemoryError("paged attention kernel could not allocate its scratch buffer")
-    return out.to(q.dtype) if status == 0 else None
+                    meta.decode_context_lens, meta.decode_max_context_len, scale, layer,
+                    None if layer.window else meta.decode_shared)
 
 
 def prefill_c(meta: CpuMetadata, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -131,21 +107,30 @@ def prefill_c(meta: CpuMetadata, q: torch.Tensor, k_cache: torch.Tensor, v_cache
 
 def _paged_c(kernel: Kernels, meta: CpuMetadata, q: torch.Tensor, k_cache: torch.Tensor,
              v_cache: torch.Tensor, tables: torch.Tensor, table_stride: int, context_lens: torch.Tensor,
-             max_context_len: int, scale: float, layer: LayerAttention) -> torch.Tensor:
+             max_context_len: int, scale: float, layer: LayerAttention,
+             shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The C kernel: query row i ([rows, num_heads, head_dim]) attends to the first context_lens[i]
     tokens of the blocks in row i of `tables` (table_stride 0: one table for every row), or the last
-    layer.window of them."""
+    layer.window of them. shared: shared_items' work items, for paged_decode_shared (where it does not apply,
+    paged_decode runs)."""
     q32 = q.to(torch.float32).contiguous()
     out = torch.empty_like(q32)
     num_rows, num_heads, head_dim = q32.shape
     _, num_kv_heads, block_size, _ = v_cache.shape
-    function = kernel.typed("paged_decode", k_cache.dtype)
-    failed = function(q=q32.data_ptr(), k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr(),
-                      block_tables=tables.data_ptr(), block_table_stride=table_stride,
-                      context_lens=context_lens.data_ptr(), out=out.data_ptr(), num_seqs=num_rows,
-                      num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
-                      max_context_len=max_context_len, scale=scale, window=layer.window, softcap=layer.softcap,
-                      sinks=layer.c_sinks(), num_threads=meta.num_threads)
-    if failed:
+    args = dict(q=q32.data_ptr(), k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr(),
+                block_tables=tables.data_ptr(), block_table_stride=table_stride,
+                context_lens=context_lens.data_ptr(), out=out.data_ptr(), num_seqs=num_rows, num_heads=num_heads,
+                num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
+                max_context_len=max_context_len, scale=scale, window=layer.window, softcap=layer.softcap,
+                sinks=layer.c_sinks(), num_threads=meta.num_threads)
+    status = 2
+    if shared is not None:
+        order, starts, tokens = shared
+        status = kernel.typed("paged_decode_shared", k_cache.dtype)(
+            **args, order=order.data_ptr(), starts=starts.data_ptr(), shared=tokens.data_ptr(),
+            num_items=len(tokens))
+    if status == 2:
+        status = kernel.typed("paged_decode", k_cache.dtype)(**args)
+    if status:
         raise MemoryError("paged attention kernel could not allocate its scratch buffer")
     return out.to(q.dtype)
