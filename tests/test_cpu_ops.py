@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from bulkgen.engine.cpu.ops import Ops, rms_norm_torch
 from bulkgen.engine.grammar import mask_logits
 from bulkgen.engine.layers import GatedLinear, Linear, fused, onednn_takes, rotate
-from tests.builds import BF16_LINEAR_BUILDS, BUILDS, HAS_AMX, builds, kernel
+from tests.builds import BF16_LINEAR_BUILDS, BUILDS, HAS_AMX, HAS_AVX512F, builds, kernel
 
 # float32: a K=576 reduction summed in another order differs by a few ulps of its largest terms (~1e-6)
 TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1 / 64, atol=1e-2)}
@@ -44,6 +44,19 @@ def test_silu_mul(build: str, dtype: torch.dtype, cols: int) -> None:
     gate_up = (torch.randn(19, 2 * cols) * 4).to(dtype)
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(_ops(dtype, build).silu_mul(gate_up), F.silu(gate) * up, **TOLERANCE[dtype])
+
+
+@pytest.mark.skipif(not HAS_AVX512F, reason="one vector code on a CPU without AVX-512")
+def test_silu_mul_is_the_same_bits_in_avx512_and_avx2() -> None:
+    """vec.h's exp has an AVX-512 form of the same operations (max/min clamps, vscalefps): across the whole
+    range exp takes (clamped past -87 and 88), infinities and NaN, float32 SiLU-and-multiply gives the same
+    bits as the AVX2 build's. (In bfloat16 the AVX512-BF16 rounding instruction flushes subnormal results to
+    zero where the AVX2 rounding keeps them: within torch's bfloat16 tolerance, tested above.)"""
+    gate = torch.cat([torch.linspace(-120, 120, 40_000), torch.randn(4_000) * 1e-3,
+                      torch.tensor([float("inf"), -float("inf"), float("nan"), 0.0, -0.0, 1e-40])])
+    gate_up = torch.cat([gate, torch.randn(gate.numel())]).view(1, -1)
+    wide, narrow = (_ops(torch.float32, build).silu_mul(gate_up) for build in ("native", "no-avx512"))
+    assert torch.equal(wide.view(torch.int32), narrow.view(torch.int32))
 
 
 @builds
@@ -249,7 +262,8 @@ def test_gated_linear_is_the_fused_linear_then_silu_mul(build: str, dtype: torch
     one_pass = GatedLinear(gate, up, pack=True, kernel=kernel(build), ops=ops)
     two_steps = fused(gate, up, pack=True, kernel=kernel(build))
     assert one_pass.linear is None, "the C kernel takes it"
-    for rows in (1, 7, 10, 11, 37, 300):
+    # 1,300 rows: more than one L2 group of AMX tiles (the threads split the rows, each its groups)
+    for rows in (1, 7, 10, 11, 37, 300, 1300):
         x = torch.randn(rows, hidden).to(dtype)
         got = one_pass(x)
         assert got.shape == (rows, intermediate) and got.dtype == dtype

@@ -122,11 +122,79 @@ static const uint16_t *tiles_of(const uint16_t *x, int64_t K, int64_t rows) {
     return buffer;
 }
 
+/* Rounds n (<= 16) float32 sums (+ bias, bfloat16) to bfloat16 at out. */
+static inline void round_out(const float *sums, const uint16_t *bias, uint16_t *out, int n) {
+    if (n == 16 && !bias) {
+        vstore(out, 0, vload_f32(sums), 1);
+        return;
+    }
+    for (int j = 0; j < n; j++)
+        out[j] = f32_to_bf16(bias ? sums[j] + bf16_to_f32(bias[j]) : sums[j]);
+}
+
+/* n (<= 16) outputs of the gated layer from a unit's float32 sums (gate's 16, then up's 16): each rounded to
+ * bfloat16 as the plain layer rounds it, then silu_mul_span's math on the rounded values, in registers (the
+ * same bits as rounding both to memory and calling silu_mul_span: its loads only widen what was rounded). */
+static inline void silu_out(const float *sums, uint16_t *out, int n, uint16_t *spare) {
+    const vf g = vround_to(vload_f32(sums), 1), u = vround_to(vload_f32(sums + 16), 1);
+    const vf y = vround_to(g / (1.0f + vexp(-g)), 1) * u;
+    vstore(n == 16 ? out : spare, 0, y, 1);
+    if (n < 16)
+        memcpy(out, spare, (size_t)n * sizeof *out);
+}
+
+/*
+ * The outputs of the last group of units, written while the next units' tile products run: a TDPBF16PS
+ * takes 16 cycles of the tile unit and none of the vector ports, so a k step's four leave the vector ports
+ * idle for ~64 cycles, and the epilogue (rounding, bias, the gated layer's SiLU: 30-35 cycles a vector) fits
+ * in that shadow when issued a row at a time between them. Written in one piece after the products, it was
+ * half of a gated call at K = 576. The units' sums are kept in two buffers, the pending one and the one
+ * being summed.
+ */
+typedef struct {
+    const float *sums; /* [units][group][32] */
+    const uint16_t *bias;
+    uint16_t *y;       /* row 0 of the group */
+    int64_t rows, next, u0, u1, group, N, blocks, every, count;
+    int silu;
+} pending;
+
+static inline void write_row(const pending *p, int64_t r) {
+    uint16_t *out = p->y + r * p->N, spare[16];
+    for (int64_t u = p->u0; u < p->u1; u++) {
+        const float *c = p->sums + ((u - p->u0) * p->group + r) * 32;
+        if (p->silu) {
+            int n = p->N - u * 16 < 16 ? (int)(p->N - u * 16) : 16;
+            silu_out(c, out + u * 16, n, spare);
+        } else {
+            for (int h = 0; h < 2 && 2 * u + h < p->blocks; h++) {
+                int64_t col = (2 * u + h) * 16;
+                int n = p->N - col < 16 ? (int)(p->N - col) : 16;
+                round_out(c + 16 * h, p->bias ? p->bias + col : 0, out + col, n);
+            }
+        }
+    }
+}
+
+/* One k step's share of the pending rows: a row every `every` steps. */
+static inline void pending_step(pending *p) {
+    if (p->next < p->rows && ++p->count >= p->every) {
+        p->count = 0;
+        write_row(p, p->next++);
+    }
+}
+
+static void pending_finish(pending *p) {
+    while (p->next < p->rows)
+        write_row(p, p->next++);
+}
+
 /* c [32][32] float32 (+)= 32 rows in tiles (tiles_of: [Kp / 32][2][16][32]) times blocks b0 and b1 (each
  * [Kp/2][16][2]) over the k blocks [k0, k1); from zero where `first`, else on the sums in c. two: the
- * second 16 rows hold any rows (else only the first 16 are computed). */
+ * second 16 rows hold any rows (else only the first 16 are computed). Each k step also writes its share of
+ * the pending outputs. */
 static void block_product(const uint16_t *a, int64_t k0, int64_t k1, int two, const uint16_t *b0,
-                          const uint16_t *b1, float *c, int first) {
+                          const uint16_t *b1, float *c, int first, pending *p) {
     if (first) {
         _tile_zero(0);
         _tile_zero(1);
@@ -148,6 +216,7 @@ static void block_product(const uint16_t *a, int64_t k0, int64_t k1, int two, co
             _tile_dpbf16ps(1, 4, 7);
             _tile_dpbf16ps(2, 5, 6);
             _tile_dpbf16ps(3, 5, 7);
+            pending_step(p);
         }
     } else {
         for (int64_t kb = k0; kb < k1; kb++) {
@@ -156,22 +225,13 @@ static void block_product(const uint16_t *a, int64_t k0, int64_t k1, int two, co
             _tile_loadd(7, b1 + kb * 512, 64);
             _tile_dpbf16ps(0, 4, 6);
             _tile_dpbf16ps(1, 4, 7);
+            pending_step(p);
         }
     }
     _tile_stored(0, c, 128);
     _tile_stored(1, c + 16, 128);
     _tile_stored(2, c + 16 * 32, 128);
     _tile_stored(3, c + 16 * 32 + 16, 128);
-}
-
-/* Rounds n (<= 16) float32 sums (+ bias, bfloat16) to bfloat16 at out. */
-static inline void round_out(const float *sums, const uint16_t *bias, uint16_t *out, int n) {
-    if (n == 16 && !bias) {
-        vstore(out, 0, vload_f32(sums), 1);
-        return;
-    }
-    for (int j = 0; j < n; j++)
-        out[j] = f32_to_bf16(bias ? sums[j] + bf16_to_f32(bias[j]) : sums[j]);
 }
 
 /*
@@ -182,6 +242,9 @@ static inline void round_out(const float *sums, const uint16_t *bias, uint16_t *
  * the group kept in c between chunks. silu: the gated layer's epilogue.
  */
 #define KCHUNK 16
+#ifndef ROW_SPLIT
+#define ROW_SPLIT 1
+#endif
 #ifndef UNITS
 #define UNITS 4 /* units whose sums a group keeps before writing its rows out */
 #endif
@@ -193,16 +256,26 @@ static void run_blocks(const uint16_t *x, int64_t M, int64_t K, const uint16_t *
     int64_t Kp = padded_k(K), kblocks = Kp / 32, block = Kp * 16, blocks = (N + 15) / 16;
     int64_t units = silu ? blocks : (blocks + 1) / 2;
     int64_t chunks = (kblocks + KCHUNK - 1) / KCHUNK, chunk = (kblocks + chunks - 1) / chunks;
-    /* rows of a group: their tiles and the sums of UNITS units within ~1.25 MB of L2 */
-    int64_t group = (5 << 18) / (Kp * 2 + UNITS * 32 * 4) / 32 * 32;
-    group = group < 32 ? 32 : group > M ? (M + 31) / 32 * 32 : group;
+    /* rows of a group: their tiles and two sets of sums of UNITS units within ~1.25 MB of L2 */
+    int64_t group = (5 << 18) / (Kp * 2 + 2 * UNITS * 32 * 4) / 32 * 32;
+    group = group < 32 ? 32 : group;
+    /* More rows than a group: the threads split the rows (each walks every unit, in the same order, so that
+     * a unit's weights come from memory about once for all of them and the other thread finds them in L3);
+     * else the columns. Groups balanced: as few as the rows need, of equal size. */
+    const int row_split = ROW_SPLIT && M > group && M >= 128 * num_threads && num_threads > 1;
+    const int64_t parts = row_split ? num_threads : 1, per_part = (M + parts - 1) / parts;
+    const int64_t ngroups = (per_part + group - 1) / group;
+    group = ((per_part + ngroups - 1) / ngroups + 31) / 32 * 32;
     #pragma omp parallel num_threads(num_threads)
     {
         static __thread float *sums;
         static __thread int64_t sums_size;
-        uint16_t gate[16], up[16];
         int nt = omp_get_num_threads(), me = omp_get_thread_num();
-        int64_t first = units * me / nt, last = units * (me + 1) / nt, size = UNITS * group * 32;
+        int64_t first = row_split ? 0 : units * me / nt, last = row_split ? units : units * (me + 1) / nt;
+        int64_t row0 = row_split ? per_part * me : 0, row1 = row_split ? per_part * (me + 1) : M;
+        int64_t size = 2 * UNITS * group * 32, quad = 0;
+        pending p = {0};
+        row1 = row1 < M ? row1 : M;
         if (sums_size < size) {
             free(sums);
             sums = aligned_alloc(64, (size_t)size * sizeof *sums);
@@ -210,46 +283,35 @@ static void run_blocks(const uint16_t *x, int64_t M, int64_t K, const uint16_t *
         }
         if (first < last && sums)
             configure(16, 16);
-        for (int64_t g0 = 0; g0 < M && first < last && sums; g0 += group) {
-            int64_t rows = M - g0 < group ? M - g0 : group;
+        for (int64_t g0 = row0; g0 < row1 && first < last && sums; g0 += group) {
+            int64_t rows = row1 - g0 < group ? row1 - g0 : group;
             const uint16_t *a = tiles_of(x + g0 * K, K, rows);
             if (!a)
                 break;
-            for (int64_t u0 = first; u0 < last; u0 += UNITS) {
+            for (int64_t u0 = first; u0 < last; u0 += UNITS, quad++) {
                 int64_t u1 = u0 + UNITS < last ? u0 + UNITS : last;
+                float *q = sums + (quad & 1) * UNITS * group * 32;
                 for (int64_t u = u0; u < u1; u++) {
                     int64_t b0 = silu ? u : 2 * u;
                     int64_t b1 = silu ? blocks + u : (2 * u + 1 < blocks ? 2 * u + 1 : 2 * u);
-                    float *s = sums + (u - u0) * group * 32;
+                    float *s = q + (u - u0) * group * 32;
                     for (int64_t k0 = 0; k0 < kblocks; k0 += chunk) {
                         int64_t k1 = k0 + chunk < kblocks ? k0 + chunk : kblocks;
                         for (int64_t r = 0; r < rows; r += 32)
                             block_product(a + r * Kp, k0, k1, rows - r > 16, packed + b0 * block,
-                                          packed + b1 * block, s + r * 32, k0 == 0);
+                                          packed + b1 * block, s + r * 32, k0 == 0, &p);
                     }
                 }
-                /* the units' columns of each row, written in one run (row by row and unit by unit, the
-                 * stores missed the cache one line at a time: 40 % of a 1,024-row call at N = 3,072) */
-                for (int64_t r = 0; r < rows; r++) {
-                    uint16_t *out = y + (g0 + r) * N;
-                    for (int64_t u = u0; u < u1; u++) {
-                        const float *c = sums + ((u - u0) * group + r) * 32;
-                        if (silu) {
-                            int n = N - u * 16 < 16 ? (int)(N - u * 16) : 16;
-                            round_out(c, 0, gate, 16);
-                            round_out(c + 16, 0, up, 16);
-                            silu_mul_span(gate, up, out + u * 16, n, 1);
-                        } else {
-                            for (int h = 0; h < 2 && 2 * u + h < blocks; h++) {
-                                int64_t col = (2 * u + h) * 16;
-                                int n = N - col < 16 ? (int)(N - col) : 16;
-                                round_out(c + 16 * h, bias ? bias + col : 0, out + col, n);
-                            }
-                        }
-                    }
-                }
+                /* these units' outputs become the pending ones, a row every `every` k steps of the next
+                 * units (each row's units written in one run: row by row and unit by unit, the stores
+                 * missed the cache one line at a time, 40 % of a 1,024-row call at N = 3,072) */
+                pending_finish(&p);
+                int64_t steps = (u1 - u0) * kblocks * ((rows + 31) / 32);
+                p = (pending){q, bias, y + g0 * N, rows, 0, u0, u1, group, N, blocks,
+                              steps / rows > 1 ? steps / rows : 1, 0, silu};
             }
         }
+        pending_finish(&p);
         if (first < last)
             _tile_release();
     }
