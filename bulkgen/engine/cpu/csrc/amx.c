@@ -14,9 +14,11 @@
  * run. x is copied, per group of rows that fits L2 with its sums, into tiles of 16 rows x 32 values,
  * zero-padded past K and past the last row (read in place, rows K values apart alias in L1).
  *
- * Threads split units of two column blocks. For each group of rows a thread takes its units four at a
- * time: each unit walks k in chunks whose weights stay in L1 while the group's rows pass, and the four
- * units' columns of each row are then written out in one run. Linux gives a process the tiles' state
+ * Threads split units of two column blocks, or, past one L2 group of rows, the rows (each thread then walks
+ * every unit in the same order, and a unit's weights come from memory about once for both). For each group
+ * of rows a thread takes its units four at a time: each unit walks k in chunks whose weights stay in L1
+ * while the group's rows pass; the four units' outputs (rounding, bias, SiLU) are written a row at a time
+ * between the tile products of the next four, where the vector ports are otherwise idle. Linux gives a process the tiles' state
  * only when asked (arch_prctl ARCH_REQ_XCOMP_PERM); amx_available() asks once and says whether it was
  * granted, and is 0 where the library was built without AMX: the callers keep the other bfloat16 paths.
  */

@@ -46,6 +46,16 @@
 #ifndef PREFETCH_BLOCKS
 #define PREFETCH_BLOCKS 1  /* how far ahead the next block is prefetched (1: best with the KV cache in DRAM) */
 #endif
+/* Whether blocks that directly follow the one before in memory are prefetched too: on an AMD Zen 4 the hardware
+ * prefetcher streams them faster alone (software prefetches there cost a third); on an Intel Xeon of the AMX kind
+ * decode attention ran 10 % faster with them (BENCHMARKS.md, issue 38), so a build for AMX takes them. */
+#ifndef PREFETCH_RUNS
+#if defined(__AMX_TILE__)
+#define PREFETCH_RUNS 1
+#else
+#define PREFETCH_RUNS 0
+#endif
+#endif
 #ifndef PREFETCH_LOCALITY
 #define PREFETCH_LOCALITY 1
 #endif
@@ -68,7 +78,7 @@ static inline const char *ahead(int i, int ctx, int block_size, const int32_t *t
     if (PREFETCH_BLOCKS == 0)
         return NULL;
     if (j < nblocks)
-        return table[j] == table[j - 1] + 1 ? NULL : (const char *)cache + table[j] * block_bytes;
+        return table[j] == table[j - 1] + 1 && !PREFETCH_RUNS ? NULL : (const char *)cache + table[j] * block_bytes;
     if (then != NULL && j - nblocks < nblocks)
         return (const char *)then + table[j - nblocks] * block_bytes;
     return NULL;
