@@ -21,7 +21,7 @@ from bulkgen.engine.cpu.kernels import Kernels, load_cpu_kernels
 from bulkgen.engine.engine import Engine
 from bulkgen.engine.quant import Int8Linear
 from bulkgen.errors import ConfigError
-from tests.builds import HAS_AVX512F, HAS_AVX_VNNI
+from tests.builds import HAS_AMX, HAS_AVX512F, HAS_AVX_VNNI
 from tests.test_model_families import SLIDING, tiny_model
 
 
@@ -256,6 +256,15 @@ def test_int8_of_other_families_equals_hf_generate_with_reference_layers(family:
     assert engine.runner.forward is None and "int8 weights" in engine.describe()
     assert engine_greedy(engine, workload) == expected
     assert ("first (its checkpoint's names are not its modules'" in caplog.text) == (family == "mixtral")
+
+
+@pytest.mark.skipif(not HAS_AMX, reason="the line is for CPUs with AMX tiles")
+def test_int8_on_an_amx_cpu_says_bfloat16_is_faster(tiny_model_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """On AMX the bfloat16 GEMM outruns the int8 one (VNNI): the run says so in one line, and still runs int8."""
+    with caplog.at_level(logging.WARNING):
+        engine = Engine(tiny_model_dir, EngineConfig(quantization="int8", kv_cache_memory=1 << 20))
+    assert "int8 weights" in engine.describe()
+    assert sum("saves memory on this CPU, not time" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_int8_load_keeps_the_generation_config(tmp_path: Path, tiny_model_dir: Path) -> None:

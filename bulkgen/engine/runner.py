@@ -86,6 +86,10 @@ class ModelRunner:
         if int8 and self.device.type == "cpu" and not (int8_kernel and int8_kernel.qlinear_available()):
             log.warning("bulkgen: --quantization int8 without AVX2 runs its products in plain C or torch: "
                         "correct, but slower than --quantization none on this CPU")
+        elif int8 and self.device.type == "cpu" and int8_kernel is not None and int8_kernel.amx:
+            log.warning("bulkgen: --quantization int8 runs on AVX512-VNNI here, while bfloat16 runs on AMX tiles: "
+                        "it saves memory on this CPU, not time (0.71x --dtype bfloat16 at 1B, BENCHMARKS.md); "
+                        "--quantization none --dtype bfloat16 is faster where the weights fit")
         self.forward = llama.make_forward(self.model, self.ops, config.pack_weights, self.paths.c("linear"),
                                           self.paths.c("gated_mlp"), int8, int8_kernel) if lean else None
         if self.forward is None and int8:
