@@ -138,8 +138,7 @@ static inline void round_out(const float *sums, const uint16_t *bias, uint16_t *
  * bfloat16 as the plain layer rounds it, then silu_mul_span's math on the rounded values, in registers (the
  * same bits as rounding both to memory and calling silu_mul_span: its loads only widen what was rounded). */
 static inline void silu_out(const float *sums, uint16_t *out, int n, uint16_t *spare) {
-    const vf g = vround_to(vload_f32(sums), 1), u = vround_to(vload_f32(sums + 16), 1);
-    const vf y = vround_to(g / (1.0f + vexp(-g)), 1) * u;
+    const vf y = vsilu_mul(vround_to(vload_f32(sums), 1), vround_to(vload_f32(sums + 16), 1), 1);
     vstore(n == 16 ? out : spare, 0, y, 1);
     if (n < 16)
         memcpy(out, spare, (size_t)n * sizeof *out);
@@ -244,9 +243,6 @@ static void block_product(const uint16_t *a, int64_t k0, int64_t k1, int two, co
  * the group kept in c between chunks. silu: the gated layer's epilogue.
  */
 #define KCHUNK 16
-#ifndef ROW_SPLIT
-#define ROW_SPLIT 1
-#endif
 #ifndef UNITS
 #define UNITS 4 /* units whose sums a group keeps before writing its rows out */
 #endif
@@ -264,7 +260,7 @@ static void run_blocks(const uint16_t *x, int64_t M, int64_t K, const uint16_t *
     /* More rows than a group: the threads split the rows (each walks every unit, in the same order, so that
      * a unit's weights come from memory about once for all of them and the other thread finds them in L3);
      * else the columns. Groups balanced: as few as the rows need, of equal size. */
-    const int row_split = ROW_SPLIT && M > group && M >= 128 * num_threads && num_threads > 1;
+    const int row_split = M > group && M >= 128 * num_threads && num_threads > 1;
     const int64_t parts = row_split ? num_threads : 1, per_part = (M + parts - 1) / parts;
     const int64_t ngroups = (per_part + group - 1) / group;
     group = ((per_part + ngroups - 1) / ngroups + 31) / 32 * 32;

@@ -47,10 +47,16 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
+#if defined(__AVX512F__)
+/* 16 bfloat16 values to float32 in one vpmovzxwd (GCC lowers the generic widening to four instructions) */
+static inline vf widen_bf16(__m256i h) {
+    return (vf)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
+
 static inline vf vload_bf16(const uint16_t *p) {
 #if defined(__AVX512F__)
-    /* one vpmovzxwd: GCC lowers the generic widening below to four instructions */
-    return (vf)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)p)), 16));
+    return widen_bf16(_mm256_loadu_si256((const void *)p));
 #else
     vh h;
     memcpy(&h, p, sizeof h);
@@ -68,14 +74,16 @@ static inline vf vexp(vf x) {
     const __mmask16 ordered = _mm512_cmp_ps_mask(v, v, _CMP_ORD_Q);
     v = _mm512_maskz_mov_ps(ordered, _mm512_min_ps(_mm512_max_ps(v, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f)));
     x = (vf)v;
-    vf n = (vf)_mm512_roundscale_ps((__m512)(x * 1.44269504088896341f + float_of((bits_of(x) & 0x80000000u)
-                                                                         | bits_of((vf){0} + 0.5f))),
-                                    _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
 #else
     x = float_of((bits_of(x) & (vu)(x >= -87.0f)) | (bits_of((vf){0} - 87.0f) & (vu)(x < -87.0f)));
     x = float_of((bits_of(x) & (vu)(x <= 88.0f)) | (bits_of((vf){0} + 88.0f) & (vu)(x > 88.0f)));
-    vf n = __builtin_convertvector(__builtin_convertvector(x * 1.44269504088896341f
-                                   + float_of((bits_of(x) & 0x80000000u) | bits_of((vf){0} + 0.5f)), vi), vf);
+#endif
+    /* n = x / ln 2 rounded half away from zero (truncating x / ln 2 + copysign(0.5, x)) */
+    const vf t = x * 1.44269504088896341f + float_of((bits_of(x) & 0x80000000u) | bits_of((vf){0} + 0.5f));
+#if defined(__AVX512F__)
+    vf n = (vf)_mm512_roundscale_ps((__m512)t, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+#else
+    vf n = __builtin_convertvector(__builtin_convertvector(t, vi), vf);
 #endif
     vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
     vf p = (vf){0} + 1.9875691500e-4f;
@@ -123,8 +131,7 @@ static inline vh to_bf16_bits(vf f) {
 static inline vf vround_to(vf f, int dtype) {
     if (dtype == 0) return f;
 #ifdef HAVE_BF16_ROUNDING
-    return (vf)_mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh((__m512)f)), 16));
+    return widen_bf16((__m256i)_mm512_cvtneps_pbh((__m512)f));
 #endif
     vu u = bits_of(f);
     vu nan = (vu)((u & 0x7fffffffu) > 0x7f800000u);
@@ -142,14 +149,16 @@ static inline void vstore(void *p, int64_t i, vf f, int dtype) {
     memcpy((uint16_t *)p + i, &h, sizeof h);
 }
 
+/* silu(g) rounded to the dtype, times u: one vector of silu_mul_span (amx.c's gated epilogue uses it too). */
+static inline vf vsilu_mul(vf g, vf u, int dtype) { return vround_to(g / (1.0f + vexp(-g)), dtype) * u; }
+
 /* out[i] = to_dtype(to_dtype(silu(gate[i])) * up[i]) for i < n, silu(g) = g / (1 + exp(-g)): torch's
  * F.silu(gate) * up in the dtype. */
+
 static inline void silu_mul_span(const void *gate, const void *up, void *out, int64_t n, int dtype) {
     const int64_t vec_end = n / VN * VN;
-    for (int64_t i = 0; i < vec_end; i += VN) {
-        const vf g = vload(gate, i, dtype);
-        vstore(out, i, vround_to(g / (1.0f + vexp(-g)), dtype) * vload(up, i, dtype), dtype);
-    }
+    for (int64_t i = 0; i < vec_end; i += VN)
+        vstore(out, i, vsilu_mul(vload(gate, i, dtype), vload(up, i, dtype), dtype), dtype);
     for (int64_t i = vec_end; i < n; i++) {
         const float g = load(gate, i, dtype);
         store(out, i, round_to(g / (1.0f + expf(-g)), dtype) * load(up, i, dtype), dtype);
