@@ -86,6 +86,25 @@ def test_decode_of_sequences_sharing_blocks_is_the_same_bits_as_one_at_a_time(bu
             assert torch.allclose(got[i:i + 1].float(), want, atol=3e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
+def test_shared_decode_runs_where_the_shared_blocks_outgrow_the_cache(tmp_path) -> None:
+    """The shared work items are taken where a layer's shared blocks fill more than half the last-level cache (the
+    deepest data or unified cache sysfs lists: here a 32 MiB L3 beside a 1 MiB L2 and an instruction cache), and
+    wherever the cache's size is unknown."""
+    from bulkgen.engine.cpu.attention import last_level_cache_bytes, shared_decode_pays
+
+    for index, (level, kind, size) in enumerate([(1, "Instruction", "64K"), (1, "Data", "32K"), (2, "Unified", "1024K"),
+                                                 (3, "Unified", "32768K")]):
+        (tmp_path / f"index{index}").mkdir()
+        for name, value in (("level", level), ("type", kind), ("size", size)):
+            (tmp_path / f"index{index}" / name).write_text(f"{value}\n")
+    l3 = last_level_cache_bytes(tmp_path)
+    assert l3 == 32 << 20 and last_level_cache_bytes(tmp_path / "absent") is None
+    block = 2 * 3 * 64 * 16 * 4  # SmolLM2's K and V block of one layer, float32
+    assert not shared_decode_pays(464, block, l3)  # 8 documents of 58 blocks: 11 MiB, which the L3 keeps
+    assert shared_decode_pays(928, block, l3)  # 16 of them: 23 MiB
+    assert shared_decode_pays(1, block, None)
+
+
 def decode_meta(k, v, tables, lens, max_len: int, **kernels) -> CpuMetadata:
     """A decode-only step's metadata: every row a decoding sequence, nothing written."""
     return CpuMetadata(k_caches=[k], v_caches=[v], slots=None, slot_blocks=None, slot_offsets=None,

@@ -141,3 +141,21 @@ def test_a_prompts_samples_compute_its_tokens_once() -> None:
     sched.add(again)
     run(sched)
     assert again.num_cached_tokens == 39
+
+
+def test_a_question_waits_a_step_for_one_in_flight_that_begins_alike() -> None:
+    """Two questions about one cached document that begin with the same words, admitted together: the first copies
+    the document's last tokens (the only copy there is) and computes its own; the second waits a step for the first's
+    block rather than compute the shared words beside it, then copies them too."""
+    sched = Scheduler(BlockManager(64, 16), max_num_seqs=8, max_num_batched_tokens=256)
+    doc = list(range(100, 136))  # 2 full blocks and 4 tokens
+    reader = Sequence(0, [*doc, 900, 901, 902], SamplingParams())
+    sched.add(reader)
+    run(sched)
+    words = list(range(10, 16))
+    first, second = (Sequence(i, [*doc, *words, 20 * i, 20 * i + 1], SamplingParams()) for i in (1, 2))
+    sched.add(first)
+    sched.add(second)
+    assert run(sched) == [(0, 1), (1, 8)]  # 4 of the document's last block copied, 8 of its own computed
+    assert run(sched) == [(0, 1), (1, 1), (2, 2)]
+    assert (first.num_cached_tokens, second.num_cached_tokens) == (36, 42)

@@ -130,6 +130,12 @@ class Scheduler:
         # one that would copy the start of a block a running one is computing (bm.part_key: a document's last tokens,
         # then each question's), or the last tokens of the same prompt (bm.tail_key: a prompt's samples).
         in_flight = {h for s in self.running for h in self._in_flight(s)} if self.waiting else set()
+        # and the tokens of each prompt block a running prefill is computing, by part_key: a prompt whose partial copy
+        # would be shorter than what such a block will hold waits for it too (questions that begin alike)
+        parts: dict[tuple, list] = {}
+        if self.waiting:
+            for s in self.running:
+                self._parts_in_flight(s, parts)
         holders: dict[int, int] | None = None  # block -> the most steps left of a running sequence holding it
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[i]
@@ -143,9 +149,11 @@ class Scheduler:
                 full = (seq.num_tokens - 1) // bm.block_size
                 shared = len(cached) < min(len(hashes), full) and hashes[len(cached)] in in_flight
                 if in_flight and not shared and seq.num_output_tokens == 0:  # and a block it could copy part of
-                    shared = (not cached.partial and bm.part_key(seq, len(cached)) in in_flight) or (
+                    key = bm.part_key(seq, len(cached))
+                    shared = (not cached.partial and key in in_flight) or (
                         len(cached) == full and cached.num_tokens(bm.block_size) < seq.num_tokens - 1
-                        and bm.tail_key(seq) in in_flight)
+                        and bm.tail_key(seq) in in_flight) or (
+                        bool(cached.partial) and key in parts and self._longer_in_flight(seq, cached, parts[key]))
                 num_new = min(seq.num_tokens - cached.num_tokens(bm.block_size), budget)
                 if cached and self.admission is not None and not bm.layout.slides:
                     holders = self._holders() if holders is None else holders
@@ -166,6 +174,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             in_flight.update(self._in_flight(seq))
+            self._parts_in_flight(seq, parts)
             if holders is not None:
                 self._hold(holders, seq)
             out.scheduled.append(ScheduledSeq(seq, num_new))
@@ -186,6 +195,29 @@ class Scheduler:
             if (tail := bm.tail_key(seq)) is not None:
                 keys.append(tail)
         return keys
+
+    def _parts_in_flight(self, seq: Sequence, parts: dict[tuple, list]) -> None:
+        """Into parts (part_key -> token runs): the prompt blocks `seq`'s prefill has yet to finish, each as the
+        tokens it will hold once computed."""
+        bm = self.block_manager
+        computed, last, bs = seq.num_computed_tokens, seq.num_prompt_tokens - 1, bm.block_size
+        if computed >= last:
+            return
+        ids = seq.prompt_token_ids
+        for place in range(computed // bs, last // bs + 1):
+            if (key := bm.part_key(seq, place)) is not None:
+                parts.setdefault(key, []).append(ids[place * bs:(place + 1) * bs])
+
+    def _longer_in_flight(self, seq: Sequence, cached: CachedPrefix, runs: list) -> bool:
+        """Whether a block in flight (runs: its tokens) will share PARTIAL_MIN_TOKENS more of the block after
+        `seq`'s cached prefix than the partial copy `cached` found now."""
+        bs = self.block_manager.block_size
+        start = len(cached) * bs
+        mine = seq.token_ids[start:start + min(bs - 1, seq.num_tokens - 1 - start)]
+        want = cached.partial + PARTIAL_MIN_TOKENS
+        if len(mine) < want:
+            return False
+        return any(run[:want] == mine[:want] for run in runs)
 
     def _holders(self) -> dict[int, int]:
         holders: dict[int, int] = {}

@@ -5,6 +5,9 @@ paths.py chose C for the family; the torch path there is their reference.
 
 from __future__ import annotations
 
+from functools import cache
+from pathlib import Path
+
 import numpy as np
 import torch
 
@@ -18,6 +21,35 @@ def kernel_layout(k_cache: torch.Tensor) -> bool:
 
 
 SHARED_ITEM = 8  # sequences a work item of the shared decode at most (csrc/paged_attention.c: SHARED_MAX 16)
+
+
+@cache
+def last_level_cache_bytes(cpu_dir: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int | None:
+    """The size of the deepest data cache the first core has (its L3 on the machines we know), from sysfs; None
+    where the system does not say."""
+    deepest: tuple[int, int] | None = None
+    for index in cpu_dir.glob("index*"):
+        try:
+            level, kind = int((index / "level").read_text()), (index / "type").read_text().strip()
+            size = (index / "size").read_text().strip().upper()
+        except (OSError, ValueError):
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1:], 1)
+        digits = size.rstrip("KMG")
+        if kind in ("Data", "Unified") and digits.isdigit() and (deepest is None or level > deepest[0]):
+            deepest = (level, int(digits) * scale)
+    return deepest[1] if deepest else None
+
+
+def shared_decode_pays(shared_blocks: int, block_bytes: int, cache_bytes: int | None) -> bool:
+    """Whether a decode step's sequences that share blocks go in shared work items (paged_decode_shared) rather
+    than one at a time: where the blocks that several of them read in one layer (shared_blocks of block_bytes, K
+    and V) fill more than half the last-level cache. Below that they stay in the cache from one sequence to the
+    next, and on an AMD Zen 4 (32 MB L3) the shared items were slower than one sequence at a time (0.75-0.9x at
+    11 MB a layer); above it each sequence reads them from memory again (the shared items 1.15-1.65x there at 23-45
+    MB; BENCHMARKS.md, issue 42). Where the cache's size is unknown, the shared items (the side that bounds memory
+    traffic)."""
+    return cache_bytes is None or 2 * shared_blocks * block_bytes > cache_bytes
 
 
 def shared_items(tables: np.ndarray, context_lens: list[int], block_size: int,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from bulkgen.engine.cpu.attention import kernel_layout, shared_items
+from bulkgen.engine.cpu.attention import kernel_layout, last_level_cache_bytes, shared_decode_pays, shared_items
 from bulkgen.engine.cpu.kernels import Kernels
 from bulkgen.engine.metadata import ChunkInput, CpuMetadata, PrefillChunk, StepInputs
 from bulkgen.errors import ConfigError
@@ -22,6 +22,7 @@ class CpuBackend:
         self.device, self.block_size = device, block_size
         self.decode_kernel, self.prefill_kernel, self.write_kernel = decode_kernel, prefill_kernel, write_kernel
         self.prefill_in_c = False  # set by attach: whether prefill attention reads each chunk's context in C
+        self.block_bytes = 0  # set by attach: one block of one layer's K and V
 
     def uses_graphs(self, cuda_graphs: bool, *_: object) -> bool:
         if cuda_graphs:
@@ -32,6 +33,7 @@ class CpuBackend:
     def attach(self, k_caches: list[torch.Tensor]) -> None:
         """The KV cache the steps will read (allocated by the runner)."""
         self.prefill_in_c = self.prefill_kernel is not None and kernel_layout(k_caches[0])
+        self.block_bytes = 2 * k_caches[0][0].numel() * k_caches[0].element_size()
 
     def prepare_run(self, *_: object) -> None:
         """Nothing is compiled or captured on this path."""
@@ -63,10 +65,20 @@ class CpuBackend:
             decode_block_tables=torch.from_numpy(tables).to(self.device),
             decode_context_lens=torch.tensor(context_lens, dtype=torch.int32, device=self.device),
             decode_max_context_len=max(context_lens, default=0),
-            decode_shared=shared_items(tables, context_lens, self.block_size) if self.decode_kernel else None,
+            decode_shared=self._shared_items(tables, context_lens),
             prefills=[self._chunk(c) for c in chunks],
             decode_kernel=self.decode_kernel, prefill_kernel=self.prefill_kernel, write_kernel=self.write_kernel,
             num_threads=torch.get_num_threads())
+
+    def _shared_items(self, tables: np.ndarray, context_lens: list[int],
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The decode's shared work items (attention.shared_items), where the C kernel runs and they pay here."""
+        if self.decode_kernel is None or len(context_lens) < 2:
+            return None
+        _, users = np.unique(tables, return_counts=True)
+        if not shared_decode_pays(int((users > 1).sum()), self.block_bytes, last_level_cache_bytes()):
+            return None
+        return shared_items(tables, context_lens, self.block_size)
 
     def _chunk(self, c: ChunkInput) -> PrefillChunk:
         chunk = PrefillChunk(offset=c.offset, num_tokens=c.num_tokens, start=c.start)

@@ -158,6 +158,8 @@ static float probabilities(float *s, int lo, int c, int ctx, float softcap, floa
         for (int g = 0; g < (G); g++) acc[g][0] = acc[g][1] = (vf){0};                                 \
         for (int d = 0; d < HDIM; d += 2) {                                                             \
             K_ROWS(d, v0, k0, k1);                                                                      \
+            IN_REGISTER(k0);                                                                            \
+            IN_REGISTER(k1);                                                                            \
             for (int g = 0; g < (G); g++) {                                                             \
                 acc[g][0] += qt[g * HDIM + d] * k0;                                                     \
                 acc[g][1] += qt[g * HDIM + d + 1] * k1;                                                 \
@@ -177,6 +179,10 @@ static float probabilities(float *s, int lo, int c, int ctx, float softcap, floa
         for (int d = 0; d < HDIM; d += 2) {                                                             \
             K_ROWS(d, v0, k00, k10);                                                                    \
             K_ROWS(d, v0 + VN, k01, k11);                                                               \
+            IN_REGISTER(k00);                                                                           \
+            IN_REGISTER(k10);                                                                           \
+            IN_REGISTER(k01);                                                                           \
+            IN_REGISTER(k11);                                                                           \
             for (int g = 0; g < (G); g++) {                                                             \
                 const float qa = qt[g * HDIM + d], qb = qt[g * HDIM + d + 1];                           \
                 acc[g][0] += qa * k00;                                                                  \
@@ -194,8 +200,8 @@ static float probabilities(float *s, int lo, int c, int ctx, float softcap, floa
 #endif
 /* k0, k1: dims d and d + 1 of the VN tokens from v, from a float32 block ([HD][block_size]) */
 #define K_ROWS_F32(d, v, k0, k1)                                                                        \
-    const vf k0 = vload_f32(kt + (int64_t)(d) * block_size + (v));                                      \
-    const vf k1 = vload_f32(kt + (int64_t)((d) + 1) * block_size + (v))
+    vf k0 = vload_f32(kt + (int64_t)(d) * block_size + (v));                                            \
+    vf k1 = vload_f32(kt + (int64_t)((d) + 1) * block_size + (v))
 #define K_TILE_F32(G) K_TILE_VEC(G, K_ROWS_F32)
 
 /* bfloat16 K block: dims in pairs, [HD/2][block_size][2], so 64 bytes hold dims 2p and 2p+1 of 16
@@ -209,8 +215,10 @@ static float probabilities(float *s, int lo, int c, int ctx, float softcap, floa
         __m512 acc[G][2];                                                                               \
         for (int g = 0; g < (G); g++) acc[g][0] = acc[g][1] = _mm512_setzero_ps();                     \
         for (int p = 0; p < HDIM / 2; p += 2) {                                                         \
-            const __m512i k0 = _mm512_loadu_si512(kt + ((int64_t)p * block_size + v0) * 2);            \
-            const __m512i k1 = _mm512_loadu_si512(kt + ((int64_t)(p + 1) * block_size + v0) * 2);      \
+            __m512i k0 = _mm512_loadu_si512(kt + ((int64_t)p * block_size + v0) * 2);                  \
+            __m512i k1 = _mm512_loadu_si512(kt + ((int64_t)(p + 1) * block_size + v0) * 2);            \
+            IN_REGISTER(k0);                                                                            \
+            IN_REGISTER(k1);                                                                            \
             for (int g = 0; g < (G); g++) {                                                             \
                 acc[g][0] = _mm512_dpbf16_ps(acc[g][0], (__m512bh)k0,                                   \
                                              (__m512bh)_mm512_set1_epi32((int)qp[g * HDIM / 2 + p]));   \
@@ -230,7 +238,7 @@ static float probabilities(float *s, int lo, int c, int ctx, float softcap, floa
 #define K_ROWS_BF16_PAIRS(d, v, k0, k1)                                                                 \
     vu k0##_pair;                                                                                       \
     memcpy(&k0##_pair, kt + ((int64_t)((d) / 2) * block_size + (v)) * 2, sizeof k0##_pair);             \
-    const vf k0 = float_of(k0##_pair << 16), k1 = float_of(k0##_pair & 0xffff0000u)
+    vf k0 = float_of(k0##_pair << 16), k1 = float_of(k0##_pair & 0xffff0000u)
 #define K_TILE_BF16(G) K_TILE_VEC(G, K_ROWS_BF16_PAIRS)
 #endif
 
@@ -247,7 +255,8 @@ static float probabilities(float *s, int lo, int c, int ctx, float softcap, floa
                 float p[G];                                                                             \
                 for (int g = 0; g < (G); g++) p[g] = pt[(int64_t)g * ctx_pad + j];                      \
                 for (int c = 0; c < VCHUNK / VN; c++) {                                                 \
-                    const vf v = VLOAD(vb + j * HDIM + c0 + VN * c);                                    \
+                    vf v = VLOAD(vb + j * HDIM + c0 + VN * c);                                          \
+                    IN_REGISTER(v);                                                                     \
                     for (int g = 0; g < (G); g++) acc[g][c] += p[g] * v;                                \
                 }                                                                                       \
             }                                                                                           \

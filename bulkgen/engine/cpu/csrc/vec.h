@@ -26,6 +26,19 @@ typedef uint32_t vu __attribute__((vector_size(4 * VN)));
 typedef int32_t vi __attribute__((vector_size(4 * VN)));
 typedef uint16_t vh __attribute__((vector_size(2 * VN)));
 
+/* Keeps a loaded vector in a register: GCC otherwise folds the load into each FMA that uses it, so one K or V
+ * vector serving G query heads is loaded G times (on an AMD Zen 4 the loads, not the FMAs, then bound decode
+ * attention). An empty asm the vector passes through; no instruction. */
+#if defined(BULKGEN_NO_IN_REGISTER)
+#define IN_REGISTER(x) ((void)0)
+#elif defined(__x86_64__) && defined(__AVX__)
+#define IN_REGISTER(x) __asm__("" : "+v"(x))
+#elif defined(__aarch64__)
+#define IN_REGISTER(x) __asm__("" : "+w"(x))
+#else
+#define IN_REGISTER(x) ((void)0)
+#endif
+
 static inline vu bits_of(vf f) { vu u; memcpy(&u, &f, sizeof u); return u; }
 static inline vf float_of(vu u) { vf f; memcpy(&f, &u, sizeof f); return f; }
 
