@@ -10,10 +10,9 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select
 
-from bulkgen.config import Paths
 from bulkgen.errors import ModelError
 from bulkgen.hub import fetch, parse_hub_name, pinned_model, with_gguf_file
-from bulkgen.resolve import ALIASES, DEFAULT_MODEL, _find_alias_gguf, resolve_model
+from bulkgen.resolve import DEFAULT_MODEL, resolve_model
 from bulkgen.store.db import open_store
 from bulkgen.store.models import Job, Request, Result, unpack_ids
 from tests.conftest import make_tiny_model
@@ -106,9 +105,9 @@ def test_offline_runs_from_the_cache(hub: Hub, tiny_dirs: list[Path], monkeypatc
 
 
 @pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> bytes:
-    source = _find_alias_gguf(DEFAULT_MODEL, ALIASES[DEFAULT_MODEL], Paths(), lambda _: None)
-    return make_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny-Q8_0.gguf", source).read_bytes()
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    # a byte-level tokenizer of 257 tokens: SmolLM2's 49,152 took the gguf package ~5 s a read, four reads here
+    return make_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny-Q8_0.gguf", None).read_bytes()
 
 
 def test_gguf_repository_by_quantization(hub: Hub, tiny_gguf: bytes) -> None:

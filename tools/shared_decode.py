@@ -4,10 +4,12 @@ of their own, float32, 2 threads; ms a call, the best of 5 runs of 10 calls each
 
     python tools/shared_decode.py 3 3            # SmolLM2-135M's heads (3 KV heads, 3 query heads each)
     python tools/shared_decode.py 8 4 sorted     # the 1B shape's, the sequences in document order
+    DOCS=32 python tools/shared_decode.py 3 3    # 32 documents: 4x the shared blocks, past a 32 MB L3
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -22,7 +24,7 @@ from bulkgen.engine.metadata import FULL, CpuMetadata, k_block_shape
 def main() -> None:
     torch.set_num_threads(2)
     kv_heads, group, head_dim, block_size = int(sys.argv[1]), int(sys.argv[2]), 64, 16
-    docs, per_doc, doc_blocks, own = 8, 20, 58, 2
+    docs, per_doc, doc_blocks, own = int(os.environ.get("DOCS", 8)), 20, 58, 2
     num_blocks = docs * doc_blocks + docs * per_doc * own
     k = torch.randn(num_blocks, *k_block_shape(kv_heads, head_dim, block_size, torch.float32))
     v = torch.randn(num_blocks, kv_heads, block_size, head_dim)
