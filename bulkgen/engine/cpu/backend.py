@@ -65,17 +65,18 @@ class CpuBackend:
             decode_block_tables=torch.from_numpy(tables).to(self.device),
             decode_context_lens=torch.tensor(context_lens, dtype=torch.int32, device=self.device),
             decode_max_context_len=max(context_lens, default=0),
-            decode_shared=self._shared_items(tables, context_lens),
+            decode_shared=self._shared_items(tables, context_lens, decode_tables),
             prefills=[self._chunk(c) for c in chunks],
             decode_kernel=self.decode_kernel, prefill_kernel=self.prefill_kernel, write_kernel=self.write_kernel,
             num_threads=torch.get_num_threads())
 
-    def _shared_items(self, tables: np.ndarray, context_lens: list[int],
+    def _shared_items(self, tables: np.ndarray, context_lens: list[int], decode_tables: list,
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """The decode's shared work items (attention.shared_items), where the C kernel runs and they pay here."""
         if self.decode_kernel is None or len(context_lens) < 2:
             return None
-        _, users = np.unique(tables, return_counts=True)
+        # the blocks read by several sequences, counted in the sequences' own tables (not the padded rows)
+        _, users = np.unique(np.concatenate(decode_tables), return_counts=True)
         if not shared_decode_pays(int((users > 1).sum()), self.block_bytes, last_level_cache_bytes()):
             return None
         return shared_items(tables, context_lens, self.block_size)
